@@ -1,0 +1,58 @@
+"""The unquantized reference format: tokens stored as they come (BF16 in practice, float64 in tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..rotary import apply_wan_rotary, compute_dtype_for
+from .base import CodecConfig, Packed, Role
+
+
+@dataclass
+class DensePacked(Packed):
+    values: torch.Tensor  # [B, T, H, D] in the input dtype
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"values": self.values}
+
+
+@dataclass(frozen=True)
+class BF16Config(CodecConfig):
+    """No quantization: the reference every other format is measured against.
+
+    Stores the input dtype unchanged (BF16 for real models), so a float64 test cache is exact.
+    """
+
+    name: ClassVar[str] = "bf16"
+
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device) -> DensePacked:
+        values = torch.zeros(batch, capacity_tokens, heads, head_dim, dtype=dtype, device=device)
+        return DensePacked(self, (batch, capacity_tokens, heads, head_dim), dtype, num_slots, values)
+
+    def quantize_into(
+        self,
+        storage: DensePacked,
+        x: torch.Tensor,
+        *,
+        token_start: int,
+        slot: int,
+        role: Role = "value",
+        warm_start: Packed | None = None,
+        warm_slot: int = 0,
+    ) -> None:
+        self.check_storage_fits(storage, x, token_start, slot)
+        if x.dtype != storage.dtype:
+            raise ValueError(f"x has dtype {x.dtype} but the storage holds {storage.dtype}; cast x first")
+        storage.values[:, token_start : token_start + x.shape[1]].copy_(x)
+
+    def dequantize_into(self, storage: DensePacked, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:
+        self.check_segments(storage, segments, out, rotary)
+        for src, n, dst, _ in segments.tolist():
+            tokens = storage.values[:, src : src + n]
+            if rotary is not None:
+                cos, sin = (t[:, dst : dst + n] for t in rotary)
+                tokens = apply_wan_rotary(tokens.to(compute_dtype_for(tokens.dtype)), cos, sin)
+            out[:, dst : dst + n].copy_(tokens)

@@ -1,0 +1,6 @@
+"""Quant VideoGen: config, packed format, reference encoder and decoder."""
+
+from .config import QVGConfig
+from .format import QVGPacked
+
+__all__ = ["QVGConfig", "QVGPacked"]

@@ -1,0 +1,183 @@
+"""QVG settings: validated once, so the encoder and kernels can trust every field."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import ClassVar, Literal
+
+import torch
+
+from ..base import CodecConfig, Packed, Role
+
+CentroidDType = Literal["e4m3", "bfloat16", "float16", "float32"]
+
+
+@dataclass(frozen=True)
+class QVGConfig(CodecConfig):
+    """Quant VideoGen: per-head k-means smoothing, residual stages, low-bit residual codes.
+
+    ``QVGConfig()`` is the recommended INT2 setting, ``QVGConfig(bits=4)`` the INT4 one, and
+    ``QVGConfig.official()`` the official package's configuration (for comparison).
+
+    Fields:
+        bits: residual code width, 2 or 4.
+        symmetric: symmetric codes ``u - qmax`` (INT2 is then ternary) or asymmetric ``u * s + zero``.
+        packing: ``"trits"`` packs ternary codes 5 per byte (1.6 bits); ``"bits"`` packs ``8 // bits`` per
+            byte MSB-first (the official layout); ``"auto"`` picks trits for symmetric INT2.
+        group_size: channels sharing one residual scale.
+        scale_dtype: ``"e4m3"`` (1 byte) or ``"fp16"`` scales, both under a per-head power-of-two shift
+            so that no scale underflows or saturates.
+        scale_search: ``"mse"`` chooses each group's scale to minimise squared error (encoder only, no
+            bytes); ``"absmax"`` is the official rule.
+        num_centroids: k-means clusters per (batch, head, stage); ``None`` picks 256 for INT2, 64 for INT4.
+        kmeans_iters: Lloyd iterations per stage.
+        kmeans_init: ``"kmeans++"``, ``"strided"`` (evenly spaced tokens; free and deterministic) or
+            ``"random"`` (the official uniform-with-replacement init, here on a private generator).
+        stages: progressive residual stages (1 = QVG, 4 = QVG-Pro).
+        centroid_dtype: stored centroid precision; ``"e4m3"`` carries a power-of-two scale per centroid
+            or per head (``centroid_scale``).
+        seed: seeds the private generator used by the k-means init; the global RNG is never touched.
+    """
+
+    name: ClassVar[str] = "qvg"
+
+    bits: int = 2
+    symmetric: bool = True
+    packing: Literal["auto", "bits", "trits"] = "auto"
+    group_size: int = 64
+    scale_dtype: Literal["e4m3", "fp16"] = "e4m3"
+    scale_search: Literal["mse", "absmax"] = "mse"
+    num_centroids: int | None = None
+    kmeans_iters: int = 5
+    kmeans_init: Literal["kmeans++", "strided", "random"] = "kmeans++"
+    stages: int = 1
+    centroid_dtype: CentroidDType = "e4m3"
+    centroid_scale: Literal["centroid", "head"] = "centroid"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value, allowed: str) -> ValueError:
+            return ValueError(f"QVGConfig.{field}={value!r} is invalid: {allowed}")
+
+        if self.bits not in (2, 4):
+            raise bad("bits", self.bits, "use 2 or 4")
+        if self.packing not in ("auto", "bits", "trits"):
+            raise bad("packing", self.packing, "use 'auto', 'bits' or 'trits'")
+        if self.packing == "trits" and not (self.bits == 2 and self.symmetric):
+            raise bad("packing", self.packing, "trit packing holds only symmetric 2-bit (ternary) codes")
+        if not isinstance(self.group_size, int) or self.group_size < 1:
+            raise bad("group_size", self.group_size, "use a positive number of channels that divides head_dim")
+        if self.scale_dtype not in ("e4m3", "fp16"):
+            raise bad("scale_dtype", self.scale_dtype, "use 'e4m3' or 'fp16'")
+        if self.scale_search not in ("mse", "absmax"):
+            raise bad("scale_search", self.scale_search, "use 'mse' or 'absmax'")
+        if self.num_centroids is not None and (not isinstance(self.num_centroids, int) or self.num_centroids < 1):
+            raise bad("num_centroids", self.num_centroids, "use a positive integer (at most the tokens per segment)")
+        if not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 0:
+            raise bad("kmeans_iters", self.kmeans_iters, "use 0 or more Lloyd iterations")
+        if self.kmeans_init not in ("kmeans++", "strided", "random"):
+            raise bad("kmeans_init", self.kmeans_init, "use 'kmeans++', 'strided' or 'random'")
+        if not isinstance(self.stages, int) or self.stages < 0:
+            raise bad("stages", self.stages, "use 0 (plain residual codes) or more k-means stages")
+        if self.centroid_dtype not in ("e4m3", "bfloat16", "float16", "float32"):
+            raise bad("centroid_dtype", self.centroid_dtype, "use 'e4m3', 'bfloat16', 'float16' or 'float32'")
+        if self.centroid_scale not in ("centroid", "head"):
+            raise bad("centroid_scale", self.centroid_scale, "use 'centroid' or 'head'")
+
+    @classmethod
+    def official(cls, bits: int = 2) -> "QVGConfig":
+        """The official ``quant-videogen`` settings: absmax scales, 2-bit packing, bf16 centroids, T=2."""
+        return cls(
+            bits=bits,
+            packing="bits",
+            scale_search="absmax",
+            num_centroids=256,
+            kmeans_iters=2,
+            kmeans_init="random",
+            centroid_dtype="bfloat16",
+        )
+
+    # Derived quantities, one definition each.
+    @property
+    def centroids(self) -> int:
+        if self.num_centroids is not None:
+            return self.num_centroids
+        return 256 if self.bits == 2 else 64
+
+    @property
+    def qmax(self) -> int:
+        """Largest code magnitude (symmetric) or largest code (asymmetric)."""
+        return 2 ** (self.bits - 1) - 1 if self.symmetric else 2**self.bits - 1
+
+    @property
+    def trits(self) -> bool:
+        return self.packing == "trits" or (self.packing == "auto" and self.bits == 2 and self.symmetric)
+
+    @property
+    def group_code_bytes(self) -> int:
+        """Bytes of packed codes per group of ``group_size`` channels."""
+        if self.trits:
+            return math.ceil(self.group_size / 5)
+        return math.ceil(self.group_size * self.bits / 8)
+
+    @property
+    def id_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.centroids <= 256 else torch.int16
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        return torch.float8_e4m3fn if self.scale_dtype == "e4m3" else torch.float16
+
+    @property
+    def centroid_torch_dtype(self) -> torch.dtype:
+        return {
+            "e4m3": torch.float8_e4m3fn,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "float32": torch.float32,
+        }[self.centroid_dtype]
+
+    def with_(self, **changes) -> "QVGConfig":
+        return replace(self, **changes)
+
+    def validate_input(self, x: torch.Tensor, what: str = "x") -> None:
+        super().validate_input(x, what)
+        D = x.shape[-1]
+        if D % self.group_size:
+            raise ValueError(
+                f"head_dim {D} is not divisible by group_size {self.group_size}; pick a group_size that divides it"
+            )
+        if self.stages and self.centroids > x.shape[1]:
+            raise ValueError(
+                f"num_centroids {self.centroids} exceeds the {x.shape[1]} tokens of the segment; "
+                "pack longer segments or use fewer centroids"
+            )
+
+    # The codec verbs live beside the format they read and write.
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device) -> Packed:
+        from .format import allocate_qvg
+
+        return allocate_qvg(self, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device)
+
+    def quantize_into(
+        self,
+        storage: Packed,
+        x: torch.Tensor,
+        *,
+        token_start: int,
+        slot: int,
+        role: Role = "value",
+        warm_start: Packed | None = None,
+        warm_slot: int = 0,
+    ) -> None:
+        from .encode import quantize_into
+
+        self.check_storage_fits(storage, x, token_start, slot)
+        quantize_into(self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot)
+
+    def dequantize_into(self, storage: Packed, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:
+        from .decode import dequantize_into
+
+        self.check_segments(storage, segments, out, rotary)
+        dequantize_into(storage, segments, out, rotary)

@@ -1,0 +1,22 @@
+"""Storage formats by name: the one line a new codec adds."""
+
+from __future__ import annotations
+
+from .base import CodecConfig
+from .dense import BF16Config
+from .qvg import QVGConfig
+
+PRESETS: dict[str, CodecConfig] = {
+    "bf16": BF16Config(),
+    "qvg-int2": QVGConfig(),
+    "qvg-int4": QVGConfig(bits=4),
+}
+
+
+def resolve_codec(spec: str | CodecConfig) -> CodecConfig:
+    """A codec config from a preset name (``"qvg-int2"``) or a config object."""
+    if isinstance(spec, CodecConfig):
+        return spec
+    if isinstance(spec, str) and spec in PRESETS:
+        return PRESETS[spec]
+    raise ValueError(f"unknown KV cache storage {spec!r}; use one of {sorted(PRESETS)} or a codec config object")
