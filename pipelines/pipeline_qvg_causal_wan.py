@@ -1,0 +1,297 @@
+"""Autoregressive (Self-Forcing / CausVid / LongLive) text-to-video with Wan components and a QVG KV cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchLCMScheduler, WanPipeline, WanTransformer3DModel
+from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
+from diffusers.utils import replace_example_docstring
+from diffusers.video_processor import VideoProcessor
+from transformers import AutoTokenizer, UMT5EncoderModel
+
+from diffusers_qvg import resolve_codec
+
+from .random_models import self_forcing_scheduler
+from .stream_state import QVGStreamState
+
+OUTPUT_TYPES = ("np", "pt", "pil", "latent")
+
+EXAMPLE_DOC_STRING = """
+    Examples:
+        ```py
+        >>> import torch
+        >>> from diffusers.utils import export_to_video
+        >>> from diffusers_qvg.pipelines import QVGCausalWanPipeline, load_causal_wan_transformer
+
+        >>> base = "Wan2.1-T2V-1.3B-Diffusers"  # the base model, diffusers layout
+        >>> transformer = load_causal_wan_transformer("self_forcing_dmd.pt", base, torch_dtype=torch.bfloat16)
+        >>> pipe = QVGCausalWanPipeline.from_pretrained(base, transformer=transformer, torch_dtype=torch.bfloat16)
+        >>> pipe.to("cuda")
+        >>> video = pipe("a corgi surfing a wave", num_frames=81, kv_cache="qvg-int2").frames[0]
+        >>> export_to_video(video, "corgi.mp4", fps=16)
+        ```
+"""
+
+
+class QVGCausalWanPipeline(DiffusionPipeline):
+    r"""
+    Chunk-by-chunk text-to-video for causal Wan models, the KV cache stored by ``diffusers_qvg``.
+
+    Components are ``WanPipeline``'s; the scheduler is Self-Forcing's few-step sampler
+    (``FlowMatchLCMScheduler(shift=5)``: x0 prediction, then re-noising to the next sigma). ``tokenizer`` and
+    ``text_encoder`` may be omitted when ``prompt_embeds`` are given. Example: see :meth:`__call__`.
+    """
+
+    model_cpu_offload_seq = "text_encoder->transformer->vae"
+    _optional_components = ["tokenizer", "text_encoder"]
+    _callback_tensor_inputs = ["latents", "prompt_embeds", "negative_prompt_embeds"]
+
+    # Text encoding is WanPipeline's own (UMT5, padded to max_sequence_length).
+    encode_prompt = WanPipeline.encode_prompt
+    _get_t5_prompt_embeds = WanPipeline._get_t5_prompt_embeds
+
+    def __init__(
+        self,
+        tokenizer: AutoTokenizer | None,
+        text_encoder: UMT5EncoderModel | None,
+        vae: AutoencoderKLWan,
+        scheduler: FlowMatchLCMScheduler,
+        transformer: WanTransformer3DModel,
+    ):
+        super().__init__()
+        self.register_modules(
+            tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+        )
+        self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal
+        self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial
+        self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
+        self._live_stream: weakref.ref | None = None
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
+        """Load from a diffusers folder; a Wan base folder (``WanPipeline`` layout) works as it is.
+
+        Its UniPC scheduler is replaced by Self-Forcing's sampler unless ``scheduler=`` is given; pass the
+        causal generator as ``transformer=load_causal_wan_transformer(checkpoint, base_folder)``.
+        """
+        if "scheduler" not in kwargs and _stored_scheduler(pretrained_model_name_or_path) != "FlowMatchLCMScheduler":
+            kwargs["scheduler"] = self_forcing_scheduler()
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    # ----------------------------------------------------------------------------------------- checks
+    def latent_frames_for(self, num_frames: int, frames_per_chunk: int) -> int:
+        """Latent frames of a ``num_frames`` video; it must be ``1 + t (L - 1)`` with ``L`` whole chunks."""
+        t = self.vae_scale_factor_temporal
+        if not isinstance(frames_per_chunk, int) or frames_per_chunk < 1:
+            raise ValueError(f"frames_per_chunk={frames_per_chunk!r} is invalid: use a positive number of latent frames")
+        step = t * frames_per_chunk
+        first = 1 + t * (frames_per_chunk - 1)
+        if not isinstance(num_frames, int) or num_frames < first or (num_frames - first) % step:
+            lower = first + max(0, (num_frames - first) // step) * step if isinstance(num_frames, int) else first
+            nearest = f"{lower}" if isinstance(num_frames, int) and num_frames < first else f"{lower} or {lower + step}"
+            raise ValueError(
+                f"num_frames={num_frames!r} is not reachable: a video has 1 + {t} * (latent frames - 1) frames and "
+                f"latent frames come in chunks of {frames_per_chunk}, so num_frames must be {first} + {step} * k "
+                f"({first}, {first + step}, {first + 2 * step}, ...); nearest: {nearest}"
+            )
+        return (num_frames - 1) // t + 1
+
+    def check_inputs(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width,
+                     guidance_scale, output_type, callback_on_step_end_tensor_inputs) -> None:
+        multiple = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
+        if height % multiple or width % multiple or height <= 0 or width <= 0:
+            raise ValueError(f"height and width must be positive multiples of {multiple}; got {height}x{width}")
+        if (prompt is None) == (prompt_embeds is None):
+            raise ValueError("pass exactly one of `prompt` and `prompt_embeds`")
+        if prompt is not None and not isinstance(prompt, (str, list)):
+            raise ValueError(f"`prompt` must be a str or a list of str, got {type(prompt).__name__}")
+        if negative_prompt is not None and negative_prompt_embeds is not None:
+            raise ValueError("pass at most one of `negative_prompt` and `negative_prompt_embeds`")
+        if prompt is not None and (self.text_encoder is None or self.tokenizer is None):
+            raise ValueError("this pipeline has no text encoder/tokenizer: pass `prompt_embeds` instead of `prompt`")
+        if guidance_scale > 1.0 and prompt_embeds is not None and negative_prompt_embeds is None and self.text_encoder is None:
+            raise ValueError("guidance_scale > 1 without a text encoder needs `negative_prompt_embeds`")
+        if output_type not in OUTPUT_TYPES:
+            raise ValueError(f"output_type={output_type!r} is invalid: use one of {list(OUTPUT_TYPES)}")
+        unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
+        if unknown:
+            raise ValueError(f"callback_on_step_end_tensor_inputs {unknown} are not in {self._callback_tensor_inputs}")
+
+    # ----------------------------------------------------------------------------------------- streaming
+    @torch.no_grad()
+    def stream(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int | None = None,
+        kv_cache: Any = "qvg-int2",
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        frames_per_chunk: int = 3,
+        denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
+        context_noise: float = 0.0,
+        guidance_scale: float = 1.0,
+        num_videos_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        callback_on_step_end: Callable | PipelineCallback | MultiPipelineCallbacks | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],
+        max_sequence_length: int = 512,
+    ) -> QVGStreamState:
+        r"""
+        Start a video and return its :class:`QVGStreamState`; iterating it yields each chunk's frames as soon as
+        they are decoded (``np``: [B, T, H, W, 3]). ``num_frames=None`` streams without end (``break`` out).
+
+        Args: as :meth:`__call__`. The state owns the KV cache: keep it to continue, ``reset()`` it, and
+        ``close()`` it (or use it in a ``with`` block) to restore the transformer's stock processors.
+        """
+        if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
+            callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
+        self.check_inputs(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width,
+                          guidance_scale, output_type, callback_on_step_end_tensor_inputs)
+        num_chunks = None
+        if num_frames is not None:
+            num_chunks = self.latent_frames_for(num_frames, frames_per_chunk) // frames_per_chunk
+        resolve_codec(kv_cache)  # an unknown storage name fails here, before anything is encoded or installed
+        if not denoising_timesteps or any(not 0 < t <= self.scheduler.config.num_train_timesteps for t in denoising_timesteps):
+            raise ValueError(f"denoising_timesteps={denoising_timesteps!r} must be non-empty, each in (0, "
+                             f"{self.scheduler.config.num_train_timesteps}]")
+        live = self._live_stream() if self._live_stream is not None else None
+        if live is not None and not live.closed:
+            raise RuntimeError("another stream is open on this pipeline (it owns the transformer's KV cache); "
+                               "close() it first or use it in a `with` block")
+
+        device = self._execution_device
+        prompt_embeds, negative_prompt_embeds = self.encode_prompt(
+            prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=guidance_scale > 1.0,
+            num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length, device=device,
+        )
+        dtype = self.transformer.dtype
+        batch = prompt_embeds.shape[0]
+        latent_shape = (batch, self.transformer.config.in_channels, frames_per_chunk,
+                        height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
+        if generator is None:
+            generator = torch.Generator().manual_seed(0)  # deterministic by default; never the global RNG
+        state = QVGStreamState(
+            self,
+            prompt_embeds=prompt_embeds.to(dtype),
+            negative_prompt_embeds=None if negative_prompt_embeds is None else negative_prompt_embeds.to(dtype),
+            kv_cache=kv_cache,
+            window_frames=window_frames,
+            sink_frames=sink_frames,
+            latent_shape=latent_shape,
+            num_chunks=num_chunks,
+            guidance_scale=guidance_scale,
+            context_noise=context_noise,
+            sigmas=[t / self.scheduler.config.num_train_timesteps for t in denoising_timesteps],
+            generator=generator,
+            output_type=output_type,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+        )
+        self._live_stream = weakref.ref(state)
+        return state
+
+    def _release_stream(self, state: QVGStreamState) -> None:
+        if self._live_stream is not None and self._live_stream() is state:
+            self._live_stream = None
+
+    # ----------------------------------------------------------------------------------------- call
+    @torch.no_grad()
+    @replace_example_docstring(EXAMPLE_DOC_STRING)
+    def __call__(
+        self,
+        prompt: str | list[str] | None = None,
+        negative_prompt: str | list[str] | None = None,
+        height: int = 480,
+        width: int = 832,
+        num_frames: int = 81,
+        kv_cache: Any = "qvg-int2",
+        window_frames: int | None = None,
+        sink_frames: int = 0,
+        frames_per_chunk: int = 3,
+        denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
+        context_noise: float = 0.0,
+        guidance_scale: float = 1.0,
+        num_videos_per_prompt: int = 1,
+        generator: torch.Generator | list[torch.Generator] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        output_type: str = "np",
+        return_dict: bool = True,
+        callback_on_step_end: Callable | PipelineCallback | MultiPipelineCallbacks | None = None,
+        callback_on_step_end_tensor_inputs: list[str] = ["latents"],
+        max_sequence_length: int = 512,
+    ) -> WanPipelineOutput | tuple:
+        r"""
+        Generate a whole video chunk by chunk (the frames :meth:`stream` yields, concatenated).
+
+        Args:
+            prompt / negative_prompt: text (``negative_prompt`` only matters with ``guidance_scale > 1``).
+            height, width: pixels, multiples of 16.
+            num_frames: ``1 + 4 * (3k - 1)`` for chunks of 3 latent frames (9, 21, ..., 81, ...), any length:
+                beyond ``window_frames`` the cache slides, its first ``sink_frames`` pinned.
+            kv_cache: storage of the packed history, ``"bf16"``, ``"qvg-int2"``, ``"qvg-int4"``,
+                ``"kivi-int2"`` or a codec config such as ``diffusers_qvg.QVGConfig(...)``.
+            window_frames: latent frames attended to (counting the sink and the chunk); ``None``: all.
+            sink_frames: first latent frames never evicted (LongLive uses 3 with a window of 12).
+            frames_per_chunk: latent frames per chunk (Self-Forcing: 3).
+            denoising_timesteps: before the shift-5 warp (Self-Forcing: 1000, 750, 500, 250).
+            context_noise: timestep of the forward that writes a finished chunk's clean K/V (0).
+            guidance_scale: CFG when > 1, both branches in one batch over one cache (distilled
+                Self-Forcing/CausVid models need none: 1.0).
+            generator: seeds the initial noise of each chunk and every re-noising (default: seed 0).
+            output_type: ``"np"``, ``"pt"``, ``"pil"`` or ``"latent"``.
+            callback_on_step_end: called after every denoising step as ``(pipe, step, timestep, kwargs)``;
+                ``step`` counts across chunks.
+
+        Examples:
+        """
+        state = self.stream(
+            prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
+            kv_cache=kv_cache, window_frames=window_frames, sink_frames=sink_frames,
+            frames_per_chunk=frames_per_chunk, denoising_timesteps=denoising_timesteps,
+            context_noise=context_noise, guidance_scale=guidance_scale,
+            num_videos_per_prompt=num_videos_per_prompt, generator=generator, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, output_type=output_type,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            max_sequence_length=max_sequence_length,
+        )
+        with state:
+            video = concat_chunks(list(state), output_type)
+        self.maybe_free_model_hooks()
+        return WanPipelineOutput(frames=video) if return_dict else (video,)
+
+
+def concat_chunks(chunks: list[Any], output_type: str) -> Any:
+    """Join per-chunk outputs along time (latents: [B, C, F, h, w]; frames: [B, T, ...] or lists of images)."""
+    if output_type == "latent":
+        return torch.cat(chunks, dim=2)
+    if output_type == "pt":
+        return torch.cat(chunks, dim=1)
+    if output_type == "np":
+        return np.concatenate(chunks, axis=1)
+    return [sum((chunk[b] for chunk in chunks), []) for b in range(len(chunks[0]))]
+
+
+def _stored_scheduler(path: str | os.PathLike) -> str | None:
+    index = os.path.join(os.fspath(path), "model_index.json")
+    if not os.path.isfile(index):
+        return None
+    with open(index) as f:
+        entry = json.load(f).get("scheduler")
+    return entry[1] if isinstance(entry, list) and len(entry) == 2 else None
