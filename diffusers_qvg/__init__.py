@@ -1,5 +1,6 @@
 """diffusers-qvg: Quant VideoGen KV-cache compression for autoregressive video diffusion in diffusers."""
 
+from .cache import CacheConfig, ChunkRewriteSizeError, MemoryReport, QVGCache
 from .codecs import (
     BF16Config,
     CodecConfig,
@@ -11,16 +12,26 @@ from .codecs import (
     resolve_codec,
     segment_table,
 )
+from .installer import disable_qvg, enable_qvg
+from .processors import QVGWanAttnProcessor, processors_for
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BF16Config",
+    "CacheConfig",
+    "ChunkRewriteSizeError",
     "CodecConfig",
+    "MemoryReport",
     "Packed",
     "QVGConfig",
+    "QVGCache",
     "QVGPacked",
+    "QVGWanAttnProcessor",
     "dequantize",
+    "disable_qvg",
+    "enable_qvg",
+    "processors_for",
     "quantize",
     "resolve_codec",
     "segment_table",

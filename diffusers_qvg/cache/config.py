@@ -1,0 +1,56 @@
+"""Cache policy, validated once: which codec stores finished chunks, and which chunks stay visible."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..codecs import BF16Config, CodecConfig, resolve_codec
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Where each chunk of a layer's K/V lives, oldest to newest: sink, packed history, recent, current.
+
+    Fields:
+        storage: codec of the packed history (a preset name such as ``"qvg-int2"`` or a codec config).
+        window_frames: latent frames visible to a chunk, counting the sink and the chunk itself; ``None``
+            keeps the whole history. Whole chunks are evicted, so the window may hold fewer frames.
+        sink_frames: the stream's first frames, never evicted; must end on a chunk boundary.
+        sink_storage: codec of the sink chunks (BF16 by default: every chunk reads them).
+        keep_recent_chunks: finished chunks kept unquantized before they are packed.
+        keys_before_rope: store K before RoPE (clusters far better) and rotate on read; ``False`` stores
+            the rotated keys.
+        warm_start: seed a chunk's k-means with the previously packed chunk's parameters (QVG only).
+        chunk_frames: the largest chunk in frames (the size of a slot); ``None`` takes the first chunk's.
+    """
+
+    storage: CodecConfig | str = "bf16"
+    window_frames: int | None = None
+    sink_frames: int = 0
+    sink_storage: CodecConfig | str = "bf16"
+    keep_recent_chunks: int = 1
+    keys_before_rope: bool = True
+    warm_start: bool = False
+    chunk_frames: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "storage", resolve_codec(self.storage))
+        object.__setattr__(self, "sink_storage", resolve_codec(self.sink_storage))
+        for name in ("sink_frames", "keep_recent_chunks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} is invalid: use a non-negative integer")
+        for name in ("window_frames", "chunk_frames"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is invalid: use a positive number of latent frames or None")
+        if self.window_frames is not None and self.window_frames <= self.sink_frames:
+            raise ValueError(
+                f"window_frames={self.window_frames} leaves no room beside sink_frames={self.sink_frames}; "
+                "the window counts the sink, so make it larger than the sink plus one chunk"
+            )
+
+    @property
+    def dense(self) -> CodecConfig:
+        """The codec of the recent and current chunks (unquantized, in the model's dtype)."""
+        return BF16Config()

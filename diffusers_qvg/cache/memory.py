@@ -1,0 +1,35 @@
+"""Exact resident bytes of a cache, by part, and what the same tokens would cost in BF16."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of every tensor the cache holds (K and V, all layers), by part.
+
+    ``bf16_equivalent`` is what the cached tokens (sink, packed, recent, current) would take as BF16 K and
+    V; ``compression`` divides it by the cache's own bytes (workspace excluded: it is a per-step buffer).
+    Preallocated capacity counts as resident, so the ratio is honest before the pool fills.
+    """
+
+    sink: int
+    packed: int
+    recent: int
+    current: int
+    workspace: int
+    bf16_equivalent: int
+    cached_tokens: int
+
+    @property
+    def cache(self) -> int:
+        return self.sink + self.packed + self.recent + self.current
+
+    @property
+    def total(self) -> int:
+        return self.cache + self.workspace
+
+    @property
+    def compression(self) -> float:
+        return self.bf16_equivalent / self.cache if self.cache else 0.0

@@ -1,0 +1,69 @@
+"""A forward's read plan: which segments of which storage land where in the dense window.
+
+Built once per layout change (not per layer, not per denoising step): every layer decodes the same
+segments, so the tables and the window's RoPE table are shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs import segment_table
+from .layout import ChunkLayout
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Segment tables per storage (``None`` where nothing is read) and the current chunk's window range.
+
+    ``rotary`` is the window's ``(cos, sin)`` [1, W, 1, D]; the current chunk's RoPE is its slice.
+    """
+
+    sink: torch.Tensor | None
+    packed: tuple[tuple[int, torch.Tensor], ...]
+    recent: torch.Tensor | None
+    current_start: int
+    current_tokens: int
+    window_tokens: int
+    rotary: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def current_rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
+        end = self.current_start + self.current_tokens
+        return tuple(t[:, self.current_start : end] for t in self.rotary)
+
+
+def window_frame_ids(layout: ChunkLayout) -> torch.Tensor:
+    """Global frame index of every visible frame, in window order (oldest chunk first)."""
+    return torch.cat([torch.arange(c.start_frame, c.end_frame) for c in layout.chunks])
+
+
+def build_read_plan(
+    layout: ChunkLayout, rotary: tuple[torch.Tensor, torch.Tensor], device: torch.device
+) -> ReadPlan:
+    sink, packed, recent = [], {}, []
+    dst = 0
+    for c in layout.chunks:
+        if c.place == "sink":
+            sink.append(((c.start_frame - layout.origin_frame) * layout.tokens_per_frame, c.tokens, dst, c.slot))
+        elif c.place == "packed":
+            packed.setdefault(c.block, []).append((c.slot * layout.slot_tokens, c.tokens, dst, c.slot))
+        elif c.place == "recent":
+            recent.append((c.slot * layout.slot_tokens, c.tokens, dst, c.slot))
+        dst += c.tokens
+
+    def table(rows):
+        return segment_table(rows, device) if rows else None
+
+    current = layout.current
+    return ReadPlan(
+        sink=table(sink),
+        packed=tuple((block, table(rows)) for block, rows in sorted(packed.items())),
+        recent=table(recent),
+        current_start=dst - current.tokens,
+        current_tokens=current.tokens,
+        window_tokens=dst,
+        rotary=rotary,
+    )

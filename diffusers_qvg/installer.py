@@ -1,0 +1,88 @@
+"""``enable_qvg`` / ``disable_qvg``: install the cache on a Wan-family transformer, and take it off again.
+
+Installing swaps the self-attention processors (see :func:`processors_for`) and registers the RoPE
+frame-offset hook on ``transformer.rope``; the hook also records the processors it replaced, so
+``disable_qvg`` restores exactly what was there.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.hooks import HookRegistry
+
+from .cache import CacheConfig, QVGCache
+from .codecs import CodecConfig
+from .processors import processors_for
+from .processors.wan import self_attention_names
+from .rope_offset import ROPE_OFFSET_HOOK, add_rope_offset_hook, remove_rope_offset_hook
+
+# Hooks of diffusers' caches that skip blocks or reuse attention outputs: they would skip cache writes.
+SKIPPING_HOOK_PREFIXES = (
+    "fbc_",
+    "mag_cache_",
+    "pyramid_attention_broadcast",
+    "faster_cache_",
+    "taylorseer_cache",
+    "sea_cache_",
+    "layer_skip_hook",
+)
+
+
+def refuse_block_skipping(transformer: torch.nn.Module) -> None:
+    """Raise if a diffusers cache that skips blocks (FirstBlockCache, MagCache, PAB, ...) is active."""
+    names = {
+        name
+        for module in transformer.modules()
+        if isinstance(getattr(module, "_diffusers_hook", None), HookRegistry)
+        for name in module._diffusers_hook.hooks
+    }
+    skipping = sorted(n for n in names if n.startswith(SKIPPING_HOOK_PREFIXES))
+    if getattr(transformer, "is_cache_enabled", False) or skipping:
+        raise ValueError(
+            "a diffusers block-skipping cache (FirstBlockCache, MagCache, PyramidAttentionBroadcast, ...) is "
+            f"active on this transformer{f' (hooks {skipping})' if skipping else ''}; it would skip KV-cache "
+            "writes. Call transformer.disable_cache() (or remove those hooks) before using diffusers_qvg"
+        )
+
+
+def enable_qvg(
+    transformer: torch.nn.Module,
+    storage: CodecConfig | str = "bf16",
+    window_frames: int | None = None,
+    sink_frames: int = 0,
+    **options,
+) -> QVGCache:
+    """Route the transformer's self-attention through a new KV cache and return the cache.
+
+    ``storage`` names the packed history's codec (``"qvg-int2"``, ``"bf16"``, ...) or is a codec config;
+    ``options`` are the other :class:`CacheConfig` fields (``keep_recent_chunks``, ``sink_storage``,
+    ``keys_before_rope``, ``warm_start``, ``chunk_frames``).
+    """
+    registry = getattr(getattr(transformer, "rope", None), "_diffusers_hook", None)
+    if registry is not None and registry.get_hook(ROPE_OFFSET_HOOK) is not None:
+        raise ValueError("diffusers_qvg is already enabled on this transformer; call disable_qvg(transformer) first")
+    names = self_attention_names(transformer)
+    if not names or not hasattr(transformer, "rope"):
+        raise ValueError(
+            f"{type(transformer).__name__} has no Wan self-attention layers or no `rope` module; diffusers_qvg "
+            "supports WanTransformer3DModel-style transformers"
+        )
+    refuse_block_skipping(transformer)
+    config = CacheConfig(storage=storage, window_frames=window_frames, sink_frames=sink_frames, **options)
+    cache = QVGCache(config, len(names), guard=lambda: refuse_block_skipping(transformer))
+    originals = dict(transformer.attn_processors)
+    transformer.set_attn_processor(processors_for(transformer, cache))
+    add_rope_offset_hook(transformer.rope, cache, originals)
+    return cache
+
+
+def disable_qvg(transformer: torch.nn.Module) -> None:
+    """Restore the processors ``enable_qvg`` replaced and remove its RoPE hook."""
+    registry = getattr(getattr(transformer, "rope", None), "_diffusers_hook", None)
+    hook = None if registry is None else registry.get_hook(ROPE_OFFSET_HOOK)
+    if hook is None:
+        raise ValueError("diffusers_qvg is not enabled on this transformer; nothing to disable")
+    if hook.cache.active:
+        raise RuntimeError("disable_qvg inside an active cache.chunk(...) block; leave the block first")
+    transformer.set_attn_processor(dict(hook.original_processors))
+    remove_rope_offset_hook(transformer.rope)

@@ -1,0 +1,77 @@
+"""Wan RoPE at a frame offset, through a diffusers ``ModelHook`` on ``transformer.rope`` (no monkeypatching).
+
+``WanRotaryPosEmbed`` always numbers frames from 0; a chunk that starts at frame ``f`` must be rotated as
+frames ``f, f+1, ...``. The tables below are *gathered* from the module's own frequency buffers, exactly as
+its forward slices them, so the values are bit-identical to what the stock module returns for the same
+frames (no arithmetic happens here).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from diffusers.hooks import HookRegistry, ModelHook
+
+if TYPE_CHECKING:
+    from .cache.cache import QVGCache
+
+ROPE_OFFSET_HOOK = "qvg_rope_offset"
+
+
+def wan_rope_for_frames(
+    rope: torch.nn.Module, frame_ids: torch.Tensor, height: int, width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each [1, len(frame_ids) * height * width, 1, head_dim], for patch tokens in frame-major order.
+
+    ``frame_ids`` are global (post-patch) frame indices; ``height``/``width`` are post-patch sizes.
+    """
+    if int(frame_ids.max()) >= rope.max_seq_len:
+        raise ValueError(
+            f"frame {int(frame_ids.max())} is beyond the transformer's rope_max_seq_len={rope.max_seq_len}; "
+            "use a sliding window that re-bases positions or a model configured with a larger rope_max_seq_len"
+        )
+    split = [rope.t_dim, rope.h_dim, rope.w_dim]
+    tables = []
+    for freqs in (rope.freqs_cos, rope.freqs_sin):
+        f_t, f_h, f_w = freqs.split(split, dim=1)
+        n = len(frame_ids)
+        parts = (
+            f_t[frame_ids.to(f_t.device)].view(n, 1, 1, -1).expand(n, height, width, -1),
+            f_h[:height].view(1, height, 1, -1).expand(n, height, width, -1),
+            f_w[:width].view(1, 1, width, -1).expand(n, height, width, -1),
+        )
+        tables.append(torch.cat(parts, dim=-1).reshape(1, n * height * width, 1, -1))
+    return tables[0], tables[1]
+
+
+class RopeOffsetHook(ModelHook):
+    """While a cache chunk is active, number the chunk's frames from its start frame and tell the cache.
+
+    This is the one place a transformer forward announces its chunk geometry (frames, patch grid), so the
+    cache decides rewrite or advance once per forward, before any layer runs.
+    """
+
+    def __init__(self, cache: "QVGCache", original_processors: dict) -> None:
+        """``original_processors`` are the processors the installer replaced (``disable_qvg`` restores them)."""
+        super().__init__()
+        self.cache = cache
+        self.original_processors = original_processors
+
+    def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.cache.active:
+            return self.fn_ref.original_forward(hidden_states)
+        _, _, frames, height, width = hidden_states.shape
+        p_t, p_h, p_w = module.patch_size
+        return self.cache.begin_forward(module, hidden_states, frames // p_t, height // p_h, width // p_w)
+
+
+def add_rope_offset_hook(rope: torch.nn.Module, cache: "QVGCache", original_processors: dict) -> None:
+    hook = RopeOffsetHook(cache, original_processors)
+    HookRegistry.check_if_exists_or_initialize(rope).register_hook(hook, ROPE_OFFSET_HOOK)
+
+
+def remove_rope_offset_hook(rope: torch.nn.Module) -> None:
+    registry = getattr(rope, "_diffusers_hook", None)
+    if registry is not None:
+        registry.remove_hook(ROPE_OFFSET_HOOK, recurse=False)
