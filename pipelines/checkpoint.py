@@ -15,6 +15,8 @@ from collections.abc import Mapping
 import torch
 from diffusers import WanTransformer3DModel
 
+from .upstream_numerics import enable_upstream_numerics
+
 # Renames of keys outside the transformer blocks (prefix of the original key -> prefix of the diffusers key).
 TOP_LEVEL_RENAMES: tuple[tuple[str, str], ...] = (
     ("patch_embedding.", "patch_embedding."),
@@ -156,12 +158,14 @@ def load_causal_wan_transformer(
     checkpoint: str | os.PathLike,
     config: str | os.PathLike | Mapping,
     torch_dtype: torch.dtype | None = None,
+    upstream_numerics: bool = True,
 ) -> WanTransformer3DModel:
     """Build a ``WanTransformer3DModel`` from ``config`` and load an original-layout causal Wan checkpoint.
 
     ``config``: a diffusers model folder (the base pipeline folder or its ``transformer`` subfolder) or a
     config dict. Every parameter must be present with the right shape, else :class:`CheckpointKeyError`
-    lists the missing, unexpected and mis-shaped keys.
+    lists the missing, unexpected and mis-shaped keys. ``upstream_numerics`` installs the hooks of
+    :func:`enable_upstream_numerics` (fp32 Q/K norms, fp64 timestep embedding), as the checkpoint was trained.
     """
     from accelerate import init_empty_weights
 
@@ -176,4 +180,6 @@ def load_causal_wan_transformer(
     model.load_state_dict(state_dict, strict=True, assign=True)
     if torch_dtype is not None:
         model = model.to(torch_dtype)
+    if upstream_numerics:
+        enable_upstream_numerics(model)
     return model.eval()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +12,7 @@ import torch
 from diffusers import AutoencoderKLWan, DiffusionPipeline, FlowMatchLCMScheduler, WanPipeline, WanTransformer3DModel
 from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
 from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
-from diffusers.utils import replace_example_docstring
+from diffusers.utils import logging, replace_example_docstring
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
@@ -21,6 +20,8 @@ from diffusers_qvg import resolve_codec
 
 from .random_models import self_forcing_scheduler
 from .stream_state import QVGStreamState
+
+logger = logging.get_logger(__name__)
 
 OUTPUT_TYPES = ("np", "pt", "pil", "latent")
 
@@ -73,7 +74,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         self.vae_scale_factor_temporal = self.vae.config.scale_factor_temporal
         self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
-        self._live_stream: weakref.ref | None = None
+        self._live_stream: QVGStreamState | None = None  # the open stream, owner of the transformer's cache
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
@@ -168,10 +169,6 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         if not denoising_timesteps or any(not 0 < t <= self.scheduler.config.num_train_timesteps for t in denoising_timesteps):
             raise ValueError(f"denoising_timesteps={denoising_timesteps!r} must be non-empty, each in (0, "
                              f"{self.scheduler.config.num_train_timesteps}]")
-        live = self._live_stream() if self._live_stream is not None else None
-        if live is not None and not live.closed:
-            raise RuntimeError("another stream is open on this pipeline (it owns the transformer's KV cache); "
-                               "close() it first or use it in a `with` block")
 
         device = self._execution_device
         prompt_embeds, negative_prompt_embeds = self.encode_prompt(
@@ -185,6 +182,9 @@ class QVGCausalWanPipeline(DiffusionPipeline):
                         height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
         if generator is None:
             generator = torch.Generator().manual_seed(0)  # deterministic by default; never the global RNG
+        if self._live_stream is not None:
+            logger.warning("closing the previous stream of this pipeline: one transformer holds one KV cache")
+            self._live_stream.close()
         state = QVGStreamState(
             self,
             prompt_embeds=prompt_embeds.to(dtype),
@@ -202,11 +202,11 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
         )
-        self._live_stream = weakref.ref(state)
+        self._live_stream = state
         return state
 
     def _release_stream(self, state: QVGStreamState) -> None:
-        if self._live_stream is not None and self._live_stream() is state:
+        if self._live_stream is state:
             self._live_stream = None
 
     # ----------------------------------------------------------------------------------------- call
