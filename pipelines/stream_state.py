@@ -9,6 +9,7 @@ writes the chunk's final K/V into the cache, and the chunk is decoded. Every for
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -63,11 +64,14 @@ class QVGStreamState:
         self.callback_on_step_end = callback_on_step_end
         self.callback_on_step_end_tensor_inputs = callback_on_step_end_tensor_inputs
         self.decoder = StreamingWanDecoder(pipe.vae) if output_type != "latent" else None
-        self.cache = enable_qvg(pipe.transformer, kv_cache, window_frames=window_frames, sink_frames=sink_frames)
-        self.closed = False
         self.chunk_index = 0
         self._step = 0
-        self._progress = pipe.progress_bar(total=None if num_chunks is None else num_chunks * (len(sigmas) + 1))
+        forwards = len(sigmas) + 1
+        # diffusers' bar needs a total or an iterable: an endless stream counts against an endless iterable.
+        self._progress = (pipe.progress_bar(iterable=itertools.count()) if num_chunks is None
+                          else pipe.progress_bar(total=num_chunks * forwards))
+        self.cache = enable_qvg(pipe.transformer, kv_cache, window_frames=window_frames, sink_frames=sink_frames)
+        self.closed = False
 
     @property
     def do_classifier_free_guidance(self) -> bool:
