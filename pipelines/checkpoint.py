@@ -60,7 +60,7 @@ BLOCK_RENAMES: tuple[tuple[str, str], ...] = (
 
 # Prefixes added by training wrappers (DDP, FSDP, activation checkpointing, torch.compile) and by the
 # Self-Forcing ``WanDiffusionWrapper`` (``model.``).
-WRAPPER_PREFIXES = ("module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+WRAPPER_SEGMENTS = frozenset({"module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 STATE_DICT_ENTRIES = ("generator_ema", "generator", "model", "state_dict")
 
 
@@ -76,9 +76,8 @@ def _rename(key: str, rules: tuple[tuple[str, str], ...]) -> str | None:
 
 
 def _strip_wrappers(key: str) -> str:
-    for prefix in WRAPPER_PREFIXES:
-        key = key.replace(prefix, "")
-    return key[len("model.") :] if key.startswith("model.") else key
+    parts = [part for part in key.split(".") if part not in WRAPPER_SEGMENTS]
+    return ".".join(parts[1:] if parts[0] == "model" else parts)
 
 
 def convert_wan_original_to_diffusers(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -154,6 +153,14 @@ def _check_keys(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], 
     )
 
 
+def _cast_keeping_fp32_modules(model: WanTransformer3DModel, dtype: torch.dtype) -> None:
+    """Cast like ``from_pretrained(torch_dtype=...)``: ``_keep_in_fp32_modules`` (norms, time embedder, ...) stay fp32."""
+    keep = set(model._keep_in_fp32_modules or ())
+    for name, param in model.named_parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(torch.float32 if keep & set(name.split(".")) else dtype)
+
+
 def load_causal_wan_transformer(
     checkpoint: str | os.PathLike,
     config: str | os.PathLike | Mapping,
@@ -179,7 +186,7 @@ def load_causal_wan_transformer(
     _check_keys(model, state_dict, f"checkpoint {os.fspath(checkpoint)!r}")
     model.load_state_dict(state_dict, strict=True, assign=True)
     if torch_dtype is not None:
-        model = model.to(torch_dtype)
+        _cast_keeping_fp32_modules(model, torch_dtype)
     if upstream_numerics:
         enable_upstream_numerics(model)
     return model.eval()
