@@ -1,0 +1,158 @@
+"""One layer's cached self-attention step: dense BF16 window vs the cache with each storage, in one run.
+
+Self-Forcing geometry by default (12 heads x 128, 3-frame chunks of 1560 tokens per frame, windows of
+6/12/21/42 latent frames). A step is one denoising rewrite of the current chunk in one layer: write the
+chunk's K/V, make the window's keys and values available, attend. The anchor ("dense") is what the
+Self-Forcing family does: copy K/V into a preallocated dense cache and run attention over the window.
+``cache:<storage>`` runs the same step through ``LayerCache.update`` + ``dispatch_attention_fn``. Every
+figure is a median over warm repeats; ratios are against the anchor measured in the same run.
+
+    python scripts/bench_attention.py                       # on a GPU
+    python scripts/bench_attention.py --small --device cpu  # the CPU smoke run the tests use
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+import diffusers_qvg as dq
+
+FULL = dict(heads=12, head_dim=128, height=30, width=52, chunk_frames=3, windows=(6, 12, 21, 42))
+SMALL = dict(heads=2, head_dim=64, height=8, width=16, chunk_frames=2, windows=(4, 8))
+
+
+@dataclass
+class Row:
+    window_frames: int
+    variant: str
+    ms: float
+    ratio: float
+    step_peak_mib: float | None
+    resident_mib: float
+    workspace_mib: float
+
+
+def timed(step, device: torch.device, warmup: int, repeats: int) -> float:
+    """Median milliseconds of ``step()`` over ``repeats`` warm calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def step_peak_mib(step, device: torch.device) -> float | None:
+    """Memory a step allocates above what was resident before it (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    step()
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def chunk_tensors(g, geo, dtype, device, n):
+    shape = (n, 1, geo["chunk_frames"] * geo["height"] * geo["width"], geo["heads"], geo["head_dim"])
+    return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
+
+
+def bench_window(window, storages, geo, dtype, device, warmup, repeats) -> list[Row]:
+    g = torch.Generator().manual_seed(window)
+    chunks = window // geo["chunk_frames"]
+    keys, values, queries = (chunk_tensors(g, geo, dtype, device, chunks) for _ in range(3))
+    n = keys.shape[2]
+    q, k, v = queries[-1], keys[-1], values[-1]
+    rows = []
+
+    # Anchor: a dense window, the current chunk copied into its tail, then attention over all of it.
+    dense_k = torch.cat(list(keys), dim=1)
+    dense_v = torch.cat(list(values), dim=1)
+
+    def dense_step():
+        dense_k[:, -n:].copy_(k)
+        dense_v[:, -n:].copy_(v)
+        return dispatch_attention_fn(q, dense_k, dense_v)
+
+    anchor = timed(dense_step, device, warmup, repeats)
+    resident = 2 * dense_k.numel() * dense_k.element_size() / 2**20
+    rows.append(Row(window, "dense", anchor, 1.0, step_peak_mib(dense_step, device), resident, 0.0))
+    del dense_k, dense_v
+
+    rope = WanRotaryPosEmbed(geo["head_dim"], (1, 1, 1), max_seq_len=1024).to(device)
+    latent = torch.zeros(1, 1, geo["chunk_frames"], geo["height"], geo["width"], device=device)
+    for storage in storages:
+        cache = dq.QVGCache(dq.CacheConfig(storage=storage, window_frames=window), num_layers=1)
+        layer = cache.layers[0]
+        with torch.no_grad():
+            for c in range(chunks):  # fill the window; keys are written pre-RoPE and rotated on read
+                with cache.chunk(start_frame=c * geo["chunk_frames"]):
+                    cache.begin_forward(rope, latent, geo["chunk_frames"], geo["height"], geo["width"])
+                    layer.update(keys[c], keys[c], values[c])
+        with cache.chunk(start_frame=(chunks - 1) * geo["chunk_frames"]), torch.no_grad():
+            cache.begin_forward(rope, latent, geo["chunk_frames"], geo["height"], geo["width"])
+
+            def cache_step():
+                window_k, window_v = layer.update(k, k, v)
+                return dispatch_attention_fn(q, window_k, window_v)
+
+            ms = timed(cache_step, device, warmup, repeats)
+            peak = step_peak_mib(cache_step, device)
+        report = cache.memory_report()
+        rows.append(Row(window, f"cache:{storage}", ms, ms / anchor, peak, report.cache / 2**20, report.workspace / 2**20))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny geometry for a CPU smoke run")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2"])
+    parser.add_argument("--windows", nargs="+", type=int, help="latent frames per window (default: the geometry's)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+
+    geo = SMALL if args.small else FULL
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for window in args.windows or geo["windows"]:
+        rows += bench_window(window, args.storages, geo, dtype, device, args.warmup, args.repeats)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# one layer's cached attention step, {name}, {dtype}, {geo['heads']} heads x {geo['head_dim']}, "
+          f"{geo['chunk_frames'] * geo['height'] * geo['width']}-token chunks")
+    print("| window (frames) | variant | ms (median) | vs dense | step peak MiB | cache MiB | workspace MiB (all layers) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        peak = "n/a" if r.step_peak_mib is None else f"{r.step_peak_mib:.1f}"
+        print(
+            f"| {r.window_frames} | {r.variant} | {r.ms:.3f} | {r.ratio:.2f}x | {peak} | {r.resident_mib:.1f} "
+            f"| {r.workspace_mib:.1f} |"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Chunk-by-chunk generation through the cache equals one full forward under the equivalent mask."""
+
+import pytest
+import torch
+from wan_helpers import HEIGHT, WIDTH, reference_forward, tiny_wan, visibility_mask
+
+import diffusers_qvg as dq
+from diffusers_qvg.rope_offset import ROPE_OFFSET_HOOK, RopeOffsetHook
+
+STEPS = (900.0, 600.0, 300.0)  # rewrites of the current chunk, then a commit pass at t=0
+
+
+def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1):
+    """Run the autoregressive loop; return the largest difference from the full masked forward."""
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64)
+    clean, start, worst = [], 0, 0.0
+    for c, frames in enumerate(chunk_frames):
+        mask = visibility_mask(list(chunk_frames[: c + 1]), sink_frames, window_frames)
+        for t in (*STEPS, 0.0):
+            x = torch.randn(1, 16, frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64)
+            with cache.chunk(start_frame=start):
+                out = model(x, torch.tensor([t], dtype=torch.float64), text).sample
+            ref = reference_forward(model, [*clean, x], [0.0] * c + [t], text, mask)
+            worst = max(worst, (out - ref).abs().max().item())
+        clean.append(x)
+        start += frames
+    return worst
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keys_before_rope", [True, False])
+def test_four_chunks_match_block_causal_full_forward(keys_before_rope):
+    model = tiny_wan()
+    cache = dq.enable_qvg(model, "bf16", keys_before_rope=keys_before_rope)
+    assert generate(model, cache, [2, 2, 2, 2]) <= 1e-10
+    assert [c.place for c in cache.layout.chunks] == ["packed", "packed", "recent", "current"]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep_recent_chunks", [0, 2])
+def test_sink_and_sliding_window_match_the_equivalent_mask(keep_recent_chunks):
+    model = tiny_wan()
+    cache = dq.enable_qvg(model, "bf16", window_frames=7, sink_frames=2, keep_recent_chunks=keep_recent_chunks)
+    frames = [2, 2, 2, 2, 2, 2]  # the window holds the sink and the 2 newest chunks (7 frames: 6 fit)
+    assert generate(model, cache, frames, sink_frames=2, window_frames=7) <= 1e-10
+    assert [c.start_frame for c in cache.layout.chunks] == [0, 8, 10]
+
+
+@torch.no_grad()
+def test_variable_chunk_sizes_with_declared_slot_size():
+    model = tiny_wan()
+    cache = dq.enable_qvg(model, "bf16", window_frames=6, chunk_frames=2)
+    assert generate(model, cache, [1, 2, 2, 2], window_frames=6) <= 1e-10
+
+
+class NoOffset(RopeOffsetHook):
+    """Starts the cached forward but hands the layers RoPE from frame 0, as stock Wan does."""
+
+    def new_forward(self, module, hidden_states):
+        super().new_forward(module, hidden_states)
+        return self.fn_ref.original_forward(hidden_states)
+
+
+@torch.no_grad()
+def test_without_the_rope_offset_chunks_differ():
+    model = tiny_wan()
+    cache = dq.enable_qvg(model, "bf16", keys_before_rope=False)
+    registry = model.rope._diffusers_hook
+    original = registry.get_hook(ROPE_OFFSET_HOOK)
+    registry.remove_hook(ROPE_OFFSET_HOOK, recurse=False)
+    registry.register_hook(NoOffset(cache, original.original_processors), ROPE_OFFSET_HOOK)
+    assert generate(model, cache, [2, 2, 2, 2]) > 1e-3
