@@ -45,8 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--base", help="Wan base model folder (diffusers layout) for a --model checkpoint file")
     parser.add_argument("--num-frames", type=int, help="video frames: 9 + 12k (81 = 21 latent frames); "
                         "default 81, or 45 for the embedded model")
-    parser.add_argument("--height", type=int, help="pixels (default 480, or 64 for the embedded model)")
-    parser.add_argument("--width", type=int, help="pixels (default 832, or 64 for the embedded model)")
+    parser.add_argument("--height", type=int, help="pixels, a multiple of 16 (default 480, or 160 for the embedded "
+                        "model: QVG's 256 centroids need >= 256 tokens per chunk)")
+    parser.add_argument("--width", type=int, help="pixels, a multiple of 16 (default 832, or 160 for the embedded model)")
     parser.add_argument("--kv-cache", default="qvg-int2", help="bf16, qvg-int2, qvg-int4 or kivi-int2")
     parser.add_argument("--window-frames", type=int, help="latent frames attended to (counting the sink)")
     parser.add_argument("--sink-frames", type=int, default=0, help="first latent frames never evicted")
@@ -155,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = read_prompts(args)
     embedded = args.model is None
     args.num_frames = args.num_frames or (45 if embedded else 81)
-    args.height = args.height or (64 if embedded else 480)
-    args.width = args.width or (64 if embedded else 832)
+    args.height = args.height or (160 if embedded else 480)
+    args.width = args.width or (160 if embedded else 832)
 
     state = PartialState(cpu=embedded)
     device = torch.device("cpu") if embedded else state.device

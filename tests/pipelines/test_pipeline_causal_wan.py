@@ -20,16 +20,18 @@ def stock_processors(pipe) -> bool:
 
 @pytest.mark.parametrize("kv_cache", ["bf16", "qvg-int2"])
 def test_end_to_end_frames(pipe, kv_cache):
-    # 4 chunks: the first chunk is packed by the codec when the third starts (one recent chunk stays BF16).
-    state = pipe.stream(prompt="a red fox", height=64, width=64, num_frames=45, kv_cache=kv_cache, generator=seeded(0))
+    # 160x160 px: 100 tokens per latent frame, 300 per chunk (QVG's 256 centroids need >= 256 per segment).
+    # 3 chunks: the first is packed by the codec when the third starts (one recent chunk stays unpacked).
+    state = pipe.stream(prompt="a red fox", height=160, width=160, num_frames=33, kv_cache=kv_cache,
+                        generator=seeded(0))
     with state:
         chunks = list(state)
         report = state.cache.memory_report()
-    assert [c.shape[1] for c in chunks] == [9, 12, 12, 12]
+    assert [c.shape[1] for c in chunks] == [9, 12, 12]
     video = np.concatenate(chunks, axis=1)
-    assert video.shape == (1, 45, 64, 64, 3) and video.dtype == np.float32
+    assert video.shape == (1, 33, 160, 160, 3) and video.dtype == np.float32
     assert np.isfinite(video).all() and video.min() >= 0.0 and video.max() <= 1.0
-    assert report.packed > 0
+    assert report.cached_tokens == 900 and report.packed > 0
     assert stock_processors(pipe)
 
 
