@@ -2,6 +2,7 @@
 
 from .checkpoint import (
     CheckpointKeyError,
+    cast_keeping_fp32_modules,
     convert_wan_original_to_diffusers,
     load_causal_wan_transformer,
     read_checkpoint_state_dict,
@@ -17,6 +18,7 @@ __all__ = [
     "QVGCausalWanPipeline",
     "QVGStreamState",
     "StreamingWanDecoder",
+    "cast_keeping_fp32_modules",
     "convert_wan_original_to_diffusers",
     "disable_upstream_numerics",
     "enable_upstream_numerics",

@@ -153,7 +153,7 @@ def _check_keys(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor], 
     )
 
 
-def _cast_keeping_fp32_modules(model: WanTransformer3DModel, dtype: torch.dtype) -> None:
+def cast_keeping_fp32_modules(model: WanTransformer3DModel, dtype: torch.dtype) -> None:
     """Cast like ``from_pretrained(torch_dtype=...)``: ``_keep_in_fp32_modules`` (norms, time embedder, ...) stay fp32."""
     keep = set(model._keep_in_fp32_modules or ())
     for name, param in model.named_parameters():
@@ -186,7 +186,7 @@ def load_causal_wan_transformer(
     _check_keys(model, state_dict, f"checkpoint {os.fspath(checkpoint)!r}")
     model.load_state_dict(state_dict, strict=True, assign=True)
     if torch_dtype is not None:
-        _cast_keeping_fp32_modules(model, torch_dtype)
+        cast_keeping_fp32_modules(model, torch_dtype)
     if upstream_numerics:
         enable_upstream_numerics(model)
     return model.eval()

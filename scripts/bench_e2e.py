@@ -1,0 +1,133 @@
+"""End-to-end chunk latency and memory of the causal Wan pipeline: ``"bf16"`` KV cache vs ``"qvg-int2"``.
+
+The Wan2.1-T2V-1.3B geometry (30 layers, 12 heads of 128, dim 1536, ffn 8960, 480x832: 1560 tokens per latent
+frame) with seeded random weights (time and memory do not depend on them) and text embeddings of the right
+shape ([1, 512, 4096]). For each video length (21 and 42 latent frames) and each storage, in one run: the
+median seconds per chunk over a warm run, the cache's resident bytes against the BF16 bytes of the same
+frames, and the peak GPU memory. ``--small`` runs the tiny model on the CPU (for tests, no figures).
+
+    python scripts/bench_e2e.py                      # GPU, bf16 weights
+    python scripts/bench_e2e.py --small             # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+from diffusers_qvg.pipelines import (
+    QVGCausalWanPipeline,
+    cast_keeping_fp32_modules,
+    enable_upstream_numerics,
+    randomize_,
+    self_forcing_scheduler,
+)
+from diffusers_qvg.pipelines.random_models import (
+    TINY_TRANSFORMER_CONFIG,
+    TINY_VAE_CONFIG,
+    WAN_1_3B_TRANSFORMER_CONFIG,
+)
+
+TARGETS = "targets: KV ratio >= 6.5x, latency overhead <= 3%, peak-memory drop >= 90% of the KV bytes saved"
+
+
+def build_pipeline(small: bool, device: torch.device, dtype: torch.dtype) -> QVGCausalWanPipeline:
+    """Random-weight transformer of the chosen geometry, built on ``device``; no text encoder (embeddings given)."""
+    config = TINY_TRANSFORMER_CONFIG if small else WAN_1_3B_TRANSFORMER_CONFIG
+    with torch.device(device):
+        transformer = randomize_(WanTransformer3DModel(**config), seed=0)
+    cast_keeping_fp32_modules(transformer, dtype)
+    enable_upstream_numerics(transformer.eval())
+    vae = randomize_(AutoencoderKLWan(**TINY_VAE_CONFIG), seed=1).eval()  # only its scale factors are used
+    pipe = QVGCausalWanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=self_forcing_scheduler(),
+                                transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def run_video(pipe, storage: str, latent_frames: int, args, text: torch.Tensor, device: torch.device) -> dict:
+    """One video; returns the median seconds per chunk, the cache's bytes and the peak GPU memory."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    stream = pipe.stream(prompt_embeds=text, height=args.height, width=args.width,
+                         num_frames=1 + 4 * (latent_frames - 1), kv_cache=storage,
+                         window_frames=args.window_frames, output_type="latent",
+                         generator=torch.Generator().manual_seed(0))
+    seconds = []
+    with stream:
+        while not stream.done:
+            start = time.perf_counter()
+            stream.next_chunk()
+            if cuda:
+                torch.cuda.synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        report = stream.cache.memory_report()
+    return dict(
+        storage=storage,
+        latent_frames=latent_frames,
+        chunks=len(seconds),
+        seconds_per_chunk=statistics.median(seconds),
+        kv_bytes=report.cache,
+        bf16_bytes=report.bf16_equivalent,
+        peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+    )
+
+
+def compare(rows: list[dict]) -> list[str]:
+    """Markdown rows against the BF16 run of the same length (the anchor measured in this run)."""
+    anchors = {r["latent_frames"]: r for r in rows if r["storage"] == "bf16"}
+    mib = 2**20
+    lines = ["| latent frames | storage | s/chunk | overhead | KV MiB | KV ratio vs BF16 | peak MiB | peak drop / KV saved |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        anchor = anchors.get(r["latent_frames"])
+        overhead = f"{r['seconds_per_chunk'] / anchor['seconds_per_chunk'] - 1:+.1%}" if anchor else "n/a"
+        saved = anchor["kv_bytes"] - r["kv_bytes"] if anchor else 0
+        drop = (f"{(anchor['peak_bytes'] - r['peak_bytes']) / saved:.0%}"
+                if anchor and saved > 0 and r["peak_bytes"] is not None else "n/a")
+        peak = f"{r['peak_bytes'] / mib:.0f}" if r["peak_bytes"] is not None else "n/a (CPU)"
+        lines.append(f"| {r['latent_frames']} | {r['storage']} | {r['seconds_per_chunk']:.4f} | {overhead} | "
+                     f"{r['kv_bytes'] / mib:.1f} | {r['bf16_bytes'] / r['kv_bytes']:.2f}x | {peak} | {drop} |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", action="store_true", help="tiny model on the CPU at 160x160")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--frames", type=int, nargs="+", default=None, help="latent frames (default 21 42)")
+    parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2"])
+    parser.add_argument("--window-frames", type=int, default=None, help="sliding window (default: whole video)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    args.frames = args.frames or ([9] if args.small else [21, 42])
+    args.height, args.width = (160, 160) if args.small else (480, 832)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+
+    pipe = build_pipeline(args.small, device, dtype)
+    text_dim = pipe.transformer.config.text_dim
+    text = torch.randn(1, 512, text_dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
+    for storage in args.storages:  # warm-up: kernels, allocator, k-means paths
+        run_video(pipe, storage, 3 * 3, args, text, device)
+    rows = [run_video(pipe, s, f, args, text, device) for f in args.frames for s in args.storages]
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"bench_e2e on {name}, {'tiny' if args.small else 'Wan2.1-1.3B'} geometry, {args.height}x{args.width}, "
+          f"{dtype}; {TARGETS}")
+    print("\n".join(compare(rows)))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
