@@ -417,3 +417,26 @@ def test_qvg_beats_rtn_at_fewer_bits_on_clustered_data():
         assert qvg.bits_per_element() <= rtn.bits_per_element()
         assert rel_l2(dq.dequantize(qvg), x) < 0.5 * rel_l2(dq.dequantize(rtn), x)
     assert math.isclose(qvg.bits_per_element(), 1.625 + 0.125 + 0.125 + 0.25, rel_tol=1e-3)
+
+
+def test_default_configs_run_end_to_end():
+    x = clustered(b=1, n=300, h=1, d=128, clusters=8, noise=0.2, dtype=torch.bfloat16)
+    for config in (dq.QVGConfig(), dq.QVGConfig(bits=4)):
+        x_hat = dq.dequantize(dq.quantize(x, config))
+        assert x_hat.dtype == torch.bfloat16 and rel_l2(x_hat, x) < (0.02 if config.bits == 4 else 0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_encoder_uses_flash_kmeans_and_matches_the_cpu_quality():
+    x = clustered(b=1, n=512, h=4, d=128, clusters=16, noise=0.3)
+    config = dq.QVGConfig(num_centroids=32)
+    cpu_state, cuda_state = torch.random.get_rng_state(), torch.cuda.get_rng_state()
+    on_gpu = dq.quantize(x.cuda(), config)
+    assert torch.equal(torch.random.get_rng_state(), cpu_state) and torch.equal(torch.cuda.get_rng_state(), cuda_state)
+    gpu_err = rel_l2(dq.dequantize(on_gpu).cpu(), x)
+    cpu_err = rel_l2(dq.dequantize(dq.quantize(x, config)), x)
+    assert gpu_err <= 1.05 * cpu_err
+    r, r_hat, step, zero = residual_and_codes(on_gpu, x.cuda())
+    inside = (step > 0) & ((r / step).abs() <= config.qmax + 0.5)
+    assert ((r - r_hat).abs() <= step / 2)[inside].all()
