@@ -113,6 +113,8 @@ def test_kivi_bad_calls_raise_and_leave_the_storage_unchanged():
         config.quantize_into(storage, x[:, :8], token_start=0, slot=0, role="value")
     with pytest.raises(ValueError, match="multiple of key_group_tokens=8"):
         config.quantize_into(storage, x[:, :8], token_start=4, slot=0, role="key")
+    with pytest.raises(ValueError, match="2\\^50"):
+        config.quantize_into(storage, x * 1e20, token_start=0, slot=0, role="key")
     with pytest.raises(ValueError, match="NaN or Inf"):
         config.quantize_into(storage, x.clone().fill_(float("nan")), token_start=0, slot=0, role="key")
     with pytest.raises(ValueError, match="group_size"):

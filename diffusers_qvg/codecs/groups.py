@@ -19,6 +19,18 @@ ScaleSearch = Literal["absmax", "mse"]
 # Smallest and largest float32 normal exponents: every shift and centroid scale is a normal float32.
 MIN_EXP, MAX_EXP = -126, 127
 MSE_CANDIDATES = 14  # alpha_j = 1 - j/20, j = 0..13: from the absmax scale down to 0.35 of it
+# Largest input magnitude: squared distances, group ranges and every shift must stay finite in float32.
+MAX_ABS_INPUT = 2.0**50
+
+
+def check_magnitude(x: torch.Tensor, what: str = "x") -> None:
+    """Raise if ``x`` holds values too large for float32 scales and distances (a host sync)."""
+    amax = x.abs().amax().item()
+    if amax > MAX_ABS_INPUT:
+        raise ValueError(
+            f"{what} has values up to {amax:.3g}; quantized formats store magnitudes up to 2^50 (~1.1e15), beyond "
+            "which float32 distances and scales overflow; rescale the tensor"
+        )
 
 
 def pow2_at_least(v: torch.Tensor) -> torch.Tensor:
@@ -77,11 +89,11 @@ def quantize_groups(
         zero_f = zeros.to(f) * sh
         extent = hi - zero_f
 
+    low = -qmax if symmetric else 0
     best_err = best_q = best_s = None
     for alpha in scale_candidates(search, f, r.device):
         s = (alpha * extent / qmax / sh).clamp(0, fmt_max).to(fmt)
         step = (s.to(f) * sh).unsqueeze(-1)
-        low = -qmax if symmetric else 0
         q = torch.where(step > 0, torch.round((r - zero_f.unsqueeze(-1)) / step).clamp(low, qmax), 0.0)
         err = (r - (q * step + zero_f.unsqueeze(-1))).square().sum(-1)
         if best_err is None:

@@ -18,7 +18,7 @@ import torch
 
 from ..rotary import apply_wan_rotary, compute_dtype_for
 from .base import CodecConfig, Packed, Role
-from .groups import dequantize_groups, quantize_groups
+from .groups import check_magnitude, dequantize_groups, quantize_groups
 from .qvg.format import pack_digits, unpack_digits
 
 
@@ -59,6 +59,7 @@ class KIVIConfig(CodecConfig):
 
     def validate_input(self, x: torch.Tensor, what: str = "x") -> None:
         super().validate_input(x, what)
+        check_magnitude(x, what)
         if x.shape[-1] % self.group_size:
             raise ValueError(
                 f"head_dim {x.shape[-1]} is not divisible by group_size {self.group_size}; pick one that divides it"
