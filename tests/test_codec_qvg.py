@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.groups import dequantize_groups, pow2_at_least, quantize_groups
@@ -440,3 +442,30 @@ def test_cuda_encoder_uses_flash_kmeans_and_matches_the_cpu_quality():
     r, r_hat, step, zero = residual_and_codes(on_gpu, x.cuda())
     inside = (step > 0) & ((r / step).abs() <= config.qmax + 0.5)
     assert ((r - r_hat).abs() <= step / 2)[inside].all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    bits=st.sampled_from([2, 4]),
+    symmetric=st.booleans(),
+    fmt=st.sampled_from([torch.float8_e4m3fn, torch.float16]),
+    search=st.sampled_from(["absmax", "mse"]),
+    log_scale=st.integers(-30, 30),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    seed=st.integers(0, 2**16),
+)
+def test_group_quantizer_error_bound_holds_for_any_settings(bits, symmetric, fmt, search, log_scale, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = (torch.randn(2, 6, 3, 2, 8, generator=g) * 2.0 ** torch.randint(-4, 5, (2, 6, 3, 2, 1), generator=g)).to(dtype)
+    r = r * 2.0**log_scale
+    c = quantize_groups(r, bits=bits, symmetric=symmetric, fmt=fmt, search=search)
+    qmax = 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1
+    shift = c.shift.view(2, 1, 3, 1)
+    r_hat = dequantize_groups(c.u, c.scales, c.zeros, shift, qmax=qmax, symmetric=symmetric, dtype=dtype)
+    assert torch.isfinite(r_hat).all()
+    step = (c.scales.to(dtype) * shift.to(dtype)).unsqueeze(-1)
+    zero = 0 if c.zeros is None else (c.zeros.to(dtype) * shift.to(dtype)).unsqueeze(-1)
+    level = (r - zero) / step
+    inside = (step > 0) & (level >= (-qmax if symmetric else 0) - 0.5) & (level <= qmax + 0.5)
+    assert ((r - r_hat).abs() <= step / 2)[inside].all()
+    assert (c.u >= 0).all() and (c.u <= (2 * qmax if symmetric else qmax)).all()
