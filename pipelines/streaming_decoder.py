@@ -33,6 +33,8 @@ class StreamingWanDecoder:
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Pixels in [-1, 1], [B, 3, T, H, W]: 1 + 4 (F - 1) frames for the first chunk, 4 F after."""
         vae = self.vae
+        if hasattr(vae, "_hf_hook") and hasattr(vae._hf_hook, "pre_forward"):
+            vae._hf_hook.pre_forward(vae)  # model CPU offload moves the VAE in, as ``vae.decode`` would
         device, dtype = vae.post_quant_conv.weight.device, vae.dtype
         z = latents.to(device=device, dtype=dtype)
         z = z / self._inv_std.to(device, dtype) + self._mean.to(device, dtype)
