@@ -66,12 +66,12 @@ class QVGStreamState:
         self.decoder = StreamingWanDecoder(pipe.vae) if output_type != "latent" else None
         self.chunk_index = 0
         self._step = 0
-        forwards = len(sigmas) + 1
-        # diffusers' bar needs a total or an iterable: an endless stream counts against an endless iterable.
-        self._progress = (pipe.progress_bar(iterable=itertools.count()) if num_chunks is None
-                          else pipe.progress_bar(total=num_chunks * forwards))
         self.cache = enable_qvg(pipe.transformer, kv_cache, window_frames=window_frames, sink_frames=sink_frames)
         self.closed = False
+        # diffusers' bar needs a total or an iterable: an endless stream counts against an endless iterable.
+        forwards = len(sigmas) + 1
+        self._progress = (pipe.progress_bar(iterable=itertools.count()) if num_chunks is None
+                          else pipe.progress_bar(total=num_chunks * forwards))
 
     @property
     def do_classifier_free_guidance(self) -> bool:

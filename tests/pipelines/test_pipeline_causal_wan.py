@@ -143,6 +143,9 @@ def test_callback_sees_every_step_and_can_edit_latents(pipe):
         (dict(output_type="gif"), r"output_type='gif' is invalid"),
         (dict(callback_on_step_end_tensor_inputs=["noise"]), r"\['noise'\] are not in"),
         (dict(window_frames=3, sink_frames=3), r"window_frames=3 leaves no room"),
+        (dict(frames_per_chunk=0), r"frames_per_chunk=0 is invalid"),
+        (dict(denoising_timesteps=(1000, 0)), r"denoising_timesteps=\(1000, 0\) must be"),
+        (dict(prompt=None), r"exactly one of `prompt` and `prompt_embeds`"),
     ],
 )
 def test_bad_inputs_raise_before_any_state_changes(pipe, kwargs, match):
