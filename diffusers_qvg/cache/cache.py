@@ -90,10 +90,10 @@ class QVGCache:
         if self.planned is None or self.planned[0] is not layout:
             rotary = wan_rope_for_frames(rope, window_frame_ids(layout), height, width)
             self.planned = (layout, build_read_plan(layout, rotary, hidden_states.device))
-        self.layout = layout
         for move in moves:
             for layer in self.layers:
-                layer.apply(move)
+                layer.apply(move, layout)
+        self.layout = layout
         self.plan = self.planned[1]
         if self.geometry is not None:
             self.reserve_workspace()
@@ -164,12 +164,13 @@ class QVGCache:
         if self.geometry is not None:
             B, H, D, _, _ = self.geometry
             per_token = 2 * B * H * D * 2 * len(self.layers)  # K and V, 2 bytes each, every layer
+        rotary = 0 if self.planned is None else sum(t.numel() * t.element_size() for t in self.planned[1].rotary)
         return MemoryReport(
             sink=sink,
             packed=packed,
             recent=ring - current,
             current=current,
-            workspace=self.workspace.nbytes,
+            workspace=self.workspace.nbytes + rotary,
             bf16_equivalent=tokens * per_token,
             cached_tokens=tokens,
         )

@@ -13,7 +13,8 @@ import torch
 
 from ..codecs import Packed
 from .errors import ChunkRewriteSizeError
-from .layout import Pack, ToSink
+from .layout import ChunkLayout, Pack, ToSink
+from .plan import ReadPlan
 
 if TYPE_CHECKING:
     from .cache import QVGCache
@@ -69,9 +70,7 @@ class LayerCache:
                 "Fix the model inputs (or the dtype overflow) before caching"
             )
 
-    def read(
-        self, plan, rotated_key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, plan: ReadPlan, rotated_key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         owner, cfg = self.owner, self.owner.config
         B, n, H, D = value.shape
         keys, values = owner.workspace.views((B, plan.window_tokens, H, D))
@@ -94,8 +93,9 @@ class LayerCache:
             self.ring = self.owner.allocate(self.owner.config.dense, layout.ring_slots * layout.slot_tokens, layout.ring_slots)
 
     @torch.no_grad()
-    def apply(self, move: ToSink | Pack) -> None:
-        owner, cfg, layout = self.owner, self.owner.config, self.owner.layout
+    def apply(self, move: ToSink | Pack, layout: ChunkLayout) -> None:
+        """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has)."""
+        owner, cfg = self.owner, self.owner.config
         src = move.ring_slot * layout.slot_tokens
         chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
         if isinstance(move, ToSink):
