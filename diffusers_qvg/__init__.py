@@ -4,6 +4,7 @@ from .cache import CacheConfig, ChunkRewriteSizeError, MemoryReport, QVGCache
 from .codecs import (
     BF16Config,
     CodecConfig,
+    KIVIConfig,
     Packed,
     QVGConfig,
     QVGPacked,
@@ -22,6 +23,7 @@ __all__ = [
     "CacheConfig",
     "ChunkRewriteSizeError",
     "CodecConfig",
+    "KIVIConfig",
     "MemoryReport",
     "Packed",
     "QVGConfig",

@@ -13,7 +13,7 @@ B, H, D = 1, 2, 64
 HEIGHT = WIDTH = 16  # tokens per frame; patch size 1
 FRAMES, CHUNKS = 2, 4  # 512 tokens per chunk
 QVG = dq.QVGConfig(num_centroids=16)  # a 512-token chunk cannot feed the preset's 256 centroids
-RTN = PRESETS.get("rtn-int2", dq.QVGConfig.rtn())
+RTN = PRESETS["rtn-int2"]
 
 
 def video_like(generator, scale, outlier=0.0):

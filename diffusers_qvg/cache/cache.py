@@ -147,9 +147,16 @@ class QVGCache:
         B, H, D, dtype, device = self.geometry
         return tuple(
             codec.allocate(
-                batch=B, capacity_tokens=tokens, heads=H, head_dim=D, num_slots=slots, dtype=dtype, device=device
+                batch=B,
+                capacity_tokens=tokens,
+                heads=H,
+                head_dim=D,
+                num_slots=slots,
+                dtype=dtype,
+                device=device,
+                role=role,
             )
-            for _ in range(2)
+            for role in ("key", "value")
         )
 
     def memory_report(self) -> MemoryReport:

@@ -181,7 +181,7 @@ class QVGConfig(CodecConfig):
             )
 
     # The codec verbs live beside the format they read and write.
-    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device) -> Packed:
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device, role="value") -> Packed:
         from .format import allocate_qvg
 
         return allocate_qvg(self, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device)
