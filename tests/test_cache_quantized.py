@@ -2,6 +2,8 @@
 
 from functools import lru_cache
 
+import pytest
+
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
@@ -74,3 +76,11 @@ def test_keys_cached_before_rope_quantize_better_than_after():
     before, _ = attend_last_chunk(QVG, keep_recent_chunks=0)
     after, _ = attend_last_chunk(QVG, keys_before_rope=False, keep_recent_chunks=0)
     assert rel_error(before, ref) < 0.5 * rel_error(after, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("storage", ["qvg-int4", dq.KIVIConfig(key_group_tokens=32)], ids=["qvg-int4", "kivi-int2"])
+def test_other_storages_plug_in_by_name_or_config(storage):
+    out, cache = attend_last_chunk(storage)
+    assert 0 < rel_error(out, reference()) < 0.15
+    assert 0 < cache.memory_report().packed < attend_last_chunk("bf16")[1].memory_report().packed / 4
