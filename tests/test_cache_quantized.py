@@ -3,7 +3,6 @@
 from functools import lru_cache
 
 import pytest
-
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
