@@ -99,23 +99,18 @@ def bad_kv(kind):
         dtype = torch.float32
     if kind == "device":
         device = "meta"
-    k = torch.zeros(shape, dtype=dtype, device=device)
-    if kind == "nan":
-        k[0, 0, 0, 0] = float("inf")
-    return k
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", ["heads", "dtype", "device", "nan"])
+@pytest.mark.parametrize("kind", ["heads", "dtype", "device"])
 def test_layer_update_rejects_mismatched_kv_and_changes_nothing(setup, kind):
     model, cache = setup
-    forward(model, cache, 4)
-    before = snapshot(cache)
     k = bad_kv(kind)
     with cache.chunk(start_frame=4):
         model(latents(), torch.tensor([500.0]), TEXT)  # begin a forward so the layer has a read plan
         before = snapshot(cache)
-        with pytest.raises(ValueError, match={"heads": "heads", "dtype": "dtype|float32", "device": "meta", "nan": "NaN"}[kind]):
+        with pytest.raises(ValueError, match={"heads": "heads", "dtype": "dtype|float32", "device": "meta"}[kind]):
             cache.layers[1].update(k, k, k)
     assert_unchanged(cache, before)
 

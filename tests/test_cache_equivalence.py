@@ -71,3 +71,22 @@ def test_without_the_rope_offset_chunks_differ():
     registry.remove_hook(ROPE_OFFSET_HOOK, recurse=False)
     registry.register_hook(NoOffset(cache, original.original_processors), ROPE_OFFSET_HOOK)
     assert generate(model, cache, [2, 2, 2, 2]) > 1e-3
+
+
+@torch.no_grad()
+def test_cfg_as_one_batch_equals_one_cache_per_branch():
+    """The documented CFG choice: both branches in one batch share one cache with batch 2."""
+    g = torch.Generator().manual_seed(5)
+    text = torch.randn(2, 5, 32, generator=g, dtype=torch.float64)
+    models = [tiny_wan() for _ in range(3)]
+    caches = [dq.enable_qvg(m, "bf16", window_frames=4) for m in models]
+    worst = 0.0
+    for c in range(3):
+        for t in (500.0, 0.0):
+            x = torch.randn(1, 16, 2, HEIGHT, WIDTH, generator=g, dtype=torch.float64)
+            outs = []
+            for model, cache, xb, tb in zip(models, caches, (x.expand(2, -1, -1, -1, -1), x, x), (text, text[:1], text[1:])):
+                with cache.chunk(start_frame=2 * c):
+                    outs.append(model(xb, torch.tensor([t] * xb.shape[0]), tb).sample)
+            worst = max(worst, (outs[0] - torch.cat(outs[1:])).abs().max().item())
+    assert worst <= 1e-12

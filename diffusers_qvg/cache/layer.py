@@ -64,11 +64,8 @@ class LayerCache:
         if key.shape[1] != tokens:
             raise ChunkRewriteSizeError(self.index, start_frame, tokens, key.shape[1])
         self.owner.check_geometry(key, value, what=f"layer {self.index}")
-        if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
-            raise ValueError(
-                f"layer {self.index}: the chunk's keys or values contain NaN or Inf; nothing was cached. "
-                "Fix the model inputs (or the dtype overflow) before caching"
-            )
+        # No finiteness check here: it would synchronise the device in every layer. The transformer input is
+        # checked once per forward (QVGCache.begin_forward) and the codec checks every chunk it packs.
 
     def read(self, plan: ReadPlan, rotated_key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         owner, cfg = self.owner, self.owner.config
