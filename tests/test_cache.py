@@ -213,3 +213,18 @@ def test_block_skipping_caches_are_refused():
     with pytest.raises(ValueError, match="disable_cache"):
         with cache.chunk(start_frame=0):
             pass
+
+
+@torch.no_grad()
+def test_fused_projections_and_attention_backend_are_honoured():
+    model, fused = tiny_wan(), tiny_wan()
+    caches = [dq.enable_qvg(m) for m in (model, fused)]
+    fused.fuse_qkv_projections()
+    fused.set_attention_backend("native")
+    assert fused.blocks[1].attn1.processor._attention_backend == "native"
+    fused.set_attn_processor(dq.processors_for(fused, caches[1]))
+    assert fused.blocks[1].attn1.processor._attention_backend == "native"
+    for start in (0, 0, 2):
+        x = latents()
+        outs = [forward(m, c, start, x=x).sample for m, c in zip((model, fused), caches)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)

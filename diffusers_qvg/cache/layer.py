@@ -83,12 +83,12 @@ class LayerCache:
         values[:, plan.current_start : end].copy_(value)
         return keys, values
 
-    # Moves between storages when a chunk becomes final (see ChunkLayout.plan).
     def ensure_ring(self) -> None:
         if self.ring is None:
             layout = self.owner.layout
             self.ring = self.owner.allocate(self.owner.config.dense, layout.ring_slots * layout.slot_tokens, layout.ring_slots)
 
+    # Moves between storages when a chunk becomes final (see ChunkLayout.plan).
     @torch.no_grad()
     def apply(self, move: ToSink | Pack, layout: ChunkLayout) -> None:
         """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has)."""
