@@ -78,8 +78,8 @@ def test_keys_cached_before_rope_quantize_better_than_after():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("storage", ["qvg-int4", dq.KIVIConfig(key_group_tokens=32)], ids=["qvg-int4", "kivi-int2"])
-def test_other_storages_plug_in_by_name_or_config(storage):
+@pytest.mark.parametrize("storage", ["rtn-int4", dq.KIVIConfig(key_group_tokens=32)], ids=["rtn-int4", "kivi-int2"])
+def test_baseline_storages_plug_in_by_name_or_config(storage):
     out, cache = attend_last_chunk(storage)
     assert 0 < rel_error(out, reference()) < 0.15
     assert 0 < cache.memory_report().packed < attend_last_chunk("bf16")[1].memory_report().packed / 4
