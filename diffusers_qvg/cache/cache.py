@@ -21,6 +21,7 @@ import torch
 
 from ..codecs import CodecConfig, Packed
 from ..rope_offset import wan_rope_for_frames
+from ..rotary import compute_dtype_for
 from .config import CacheConfig
 from .layer import LayerCache
 from .layout import ChunkLayout
@@ -30,6 +31,8 @@ from .workspace import Workspace
 
 
 class QVGCache:
+    """KV cache of a transformer's self-attention layers for chunk-by-chunk generation (inference only)."""
+
     def __init__(self, config: CacheConfig, num_layers: int, guard: Callable[[], None] | None = None) -> None:
         """``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there)."""
         self.config = config
@@ -88,7 +91,10 @@ class QVGCache:
         if not bool(torch.isfinite(hidden_states).all()):
             raise ValueError("the transformer input contains NaN or Inf; nothing was cached")
         if self.planned is None or self.planned[0] is not layout:
-            rotary = wan_rope_for_frames(rope, window_frame_ids(layout), height, width)
+            # Held in the compute dtype (float32; float64 for float64 models): half the bytes every layer's
+            # read rotates with, and no float64 arithmetic on the GPU.
+            dtype = compute_dtype_for(hidden_states.dtype)
+            rotary = tuple(t.to(dtype) for t in wan_rope_for_frames(rope, window_frame_ids(layout), height, width))
             self.planned = (layout, build_read_plan(layout, rotary, hidden_states.device))
         for move in moves:
             for layer in self.layers:
