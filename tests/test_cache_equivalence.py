@@ -10,17 +10,17 @@ from diffusers_qvg.rope_offset import ROPE_OFFSET_HOOK, RopeOffsetHook
 STEPS = (900.0, 600.0, 300.0)  # rewrites of the current chunk, then a commit pass at t=0
 
 
-def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1):
+def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1, device="cpu"):
     """Run the autoregressive loop; return the largest difference from the full masked forward."""
     g = torch.Generator().manual_seed(seed)
-    text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64)
+    text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64).to(device)
     clean, start, worst = [], 0, 0.0
     for c, frames in enumerate(chunk_frames):
-        mask = visibility_mask(list(chunk_frames[: c + 1]), sink_frames, window_frames)
+        mask = visibility_mask(list(chunk_frames[: c + 1]), sink_frames, window_frames).to(device)
         for t in (*STEPS, 0.0):
-            x = torch.randn(1, 16, frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64)
+            x = torch.randn(1, 16, frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64).to(device)
             with cache.chunk(start_frame=start):
-                out = model(x, torch.tensor([t], dtype=torch.float64), text).sample
+                out = model(x, torch.tensor([t], dtype=torch.float64, device=device), text).sample
             ref = reference_forward(model, [*clean, x], [0.0] * c + [t], text, mask)
             worst = max(worst, (out - ref).abs().max().item())
         clean.append(x)

@@ -30,14 +30,14 @@ def reference():
     return attend_last_chunk("bf16")[0]
 
 
-def attend_last_chunk(storage, **options):
+def attend_last_chunk(storage, device="cpu", **options):
     """Write CHUNKS chunks through a one-layer cache; return the last chunk's attention output and the cache."""
     g = torch.Generator().manual_seed(7)
-    keys, values = video_like(g, 1.0, outlier=4.0), video_like(g, 1.0)
-    queries = video_like(g, 1.0)
-    rope = WanRotaryPosEmbed(D, (1, 1, 1), max_seq_len=32)
+    keys, values = video_like(g, 1.0, outlier=4.0).to(device), video_like(g, 1.0).to(device)
+    queries = video_like(g, 1.0).to(device)
+    rope = WanRotaryPosEmbed(D, (1, 1, 1), max_seq_len=32).to(device)
     cache = dq.QVGCache(dq.CacheConfig(storage=storage, **options), num_layers=1)
-    latent = torch.zeros(B, 1, FRAMES, HEIGHT, WIDTH)
+    latent = torch.zeros(B, 1, FRAMES, HEIGHT, WIDTH, device=device)
     for c in range(CHUNKS):
         with cache.chunk(start_frame=c * FRAMES):
             rotary = cache.begin_forward(rope, latent, FRAMES, HEIGHT, WIDTH)

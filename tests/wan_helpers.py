@@ -66,7 +66,10 @@ def reference_forward(model, latents: list[torch.Tensor], timesteps: list[float]
     """One full forward over all chunks with per-token timesteps and ``mask``; returns the last chunk's output."""
     x = torch.cat(latents, dim=2)
     t = torch.cat(
-        [torch.full((x.shape[0], c.shape[2] * TOKENS_PER_FRAME), v, dtype=x.dtype) for c, v in zip(latents, timesteps)],
+        [
+            torch.full((x.shape[0], c.shape[2] * TOKENS_PER_FRAME), v, dtype=x.dtype, device=x.device)
+            for c, v in zip(latents, timesteps)
+        ],
         dim=1,
     )
     original = dict(model.attn_processors)
