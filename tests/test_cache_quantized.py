@@ -83,3 +83,12 @@ def test_baseline_storages_plug_in_by_name_or_config(storage):
     out, cache = attend_last_chunk(storage)
     assert 0 < rel_error(out, reference()) < 0.15
     assert 0 < cache.memory_report().packed < attend_last_chunk("bf16")[1].memory_report().packed / 4
+
+
+@torch.no_grad()
+def test_sink_storage_is_configurable():
+    out, cache = attend_last_chunk("bf16", sink_frames=FRAMES, sink_storage=QVG)
+    assert [c.place for c in cache.layout.chunks] == ["sink", "packed", "recent", "current"]
+    report = cache.memory_report()
+    assert 0 < report.sink < report.current  # one packed sink chunk is smaller than the BF16 current slot
+    assert 0 < rel_error(out, reference()) < 0.05
