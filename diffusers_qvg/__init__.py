@@ -14,7 +14,7 @@ from .codecs import (
     segment_table,
 )
 from .installer import disable_qvg, enable_qvg
-from .processors import QVGWanAttnProcessor, processors_for
+from .processors import QVGSkyReelsV2AttnProcessor, QVGWanAttnProcessor, processors_for
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ __all__ = [
     "QVGConfig",
     "QVGCache",
     "QVGPacked",
+    "QVGSkyReelsV2AttnProcessor",
     "QVGWanAttnProcessor",
     "dequantize",
     "disable_qvg",

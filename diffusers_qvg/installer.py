@@ -13,7 +13,7 @@ from diffusers.hooks import HookRegistry
 from .cache import CacheConfig, QVGCache
 from .codecs import CodecConfig
 from .processors import processors_for
-from .processors.wan import self_attention_names
+from .processors.select import self_attention_names
 from .rope_offset import ROPE_OFFSET_HOOK, add_rope_offset_hook, remove_rope_offset_hook
 
 # Hooks of diffusers' caches that skip blocks or reuse attention outputs: they would skip cache writes.
@@ -65,7 +65,7 @@ def enable_qvg(
     if not names or not hasattr(transformer, "rope"):
         raise ValueError(
             f"{type(transformer).__name__} has no Wan self-attention layers or no `rope` module; diffusers_qvg "
-            "supports WanTransformer3DModel-style transformers"
+            "supports Wan-layout transformers (WanTransformer3DModel, SkyReelsV2Transformer3DModel)"
         )
     refuse_block_skipping(transformer)
     config = CacheConfig(storage=storage, window_frames=window_frames, sink_frames=sink_frames, **options)

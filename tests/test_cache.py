@@ -99,23 +99,18 @@ def bad_kv(kind):
         dtype = torch.float32
     if kind == "device":
         device = "meta"
-    k = torch.zeros(shape, dtype=dtype, device=device)
-    if kind == "nan":
-        k[0, 0, 0, 0] = float("inf")
-    return k
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kind", ["heads", "dtype", "device", "nan"])
+@pytest.mark.parametrize("kind", ["heads", "dtype", "device"])
 def test_layer_update_rejects_mismatched_kv_and_changes_nothing(setup, kind):
     model, cache = setup
-    forward(model, cache, 4)
-    before = snapshot(cache)
     k = bad_kv(kind)
     with cache.chunk(start_frame=4):
         model(latents(), torch.tensor([500.0]), TEXT)  # begin a forward so the layer has a read plan
         before = snapshot(cache)
-        with pytest.raises(ValueError, match={"heads": "heads", "dtype": "dtype|float32", "device": "meta", "nan": "NaN"}[kind]):
+        with pytest.raises(ValueError, match={"heads": "heads", "dtype": "dtype|float32", "device": "meta"}[kind]):
             cache.layers[1].update(k, k, k)
     assert_unchanged(cache, before)
 
@@ -151,7 +146,8 @@ def test_memory_report_is_exact(setup):
     assert report.recent + report.current == storage_bytes(s for l in layers for s in l.ring)
     assert report.current == report.recent  # keep_recent_chunks=1: one slot each
     ws = cache.workspace
-    assert report.workspace == ws.keys.numel() * ws.keys.element_size() * 2
+    rotary = sum(t.numel() * t.element_size() for t in cache.planned[1].rotary)
+    assert report.workspace == ws.keys.numel() * ws.keys.element_size() * 2 + rotary
     assert report.total == report.cache + report.workspace
     # visible: the sink chunk and the two newest chunks, 8 tokens each, as BF16 K and V in 2 layers
     assert report.cached_tokens == 3 * 2 * TOKENS_PER_FRAME
@@ -217,3 +213,18 @@ def test_block_skipping_caches_are_refused():
     with pytest.raises(ValueError, match="disable_cache"):
         with cache.chunk(start_frame=0):
             pass
+
+
+@torch.no_grad()
+def test_fused_projections_and_attention_backend_are_honoured():
+    model, fused = tiny_wan(), tiny_wan()
+    caches = [dq.enable_qvg(m) for m in (model, fused)]
+    fused.fuse_qkv_projections()
+    fused.set_attention_backend("native")
+    assert fused.blocks[1].attn1.processor._attention_backend == "native"
+    fused.set_attn_processor(dq.processors_for(fused, caches[1]))
+    assert fused.blocks[1].attn1.processor._attention_backend == "native"
+    for start in (0, 0, 2):
+        x = latents()
+        outs = [forward(m, c, start, x=x).sample for m, c in zip((model, fused), caches)]
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)

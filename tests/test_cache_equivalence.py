@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from wan_helpers import HEIGHT, WIDTH, reference_forward, tiny_wan, visibility_mask
+from wan_helpers import HEIGHT, WIDTH, reference_forward, tiny_skyreels_v2, tiny_wan, visibility_mask
 
 import diffusers_qvg as dq
 from diffusers_qvg.rope_offset import ROPE_OFFSET_HOOK, RopeOffsetHook
@@ -10,17 +10,17 @@ from diffusers_qvg.rope_offset import ROPE_OFFSET_HOOK, RopeOffsetHook
 STEPS = (900.0, 600.0, 300.0)  # rewrites of the current chunk, then a commit pass at t=0
 
 
-def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1):
+def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1, device="cpu"):
     """Run the autoregressive loop; return the largest difference from the full masked forward."""
     g = torch.Generator().manual_seed(seed)
-    text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64)
+    text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64).to(device)
     clean, start, worst = [], 0, 0.0
     for c, frames in enumerate(chunk_frames):
-        mask = visibility_mask(list(chunk_frames[: c + 1]), sink_frames, window_frames)
+        mask = visibility_mask(list(chunk_frames[: c + 1]), sink_frames, window_frames).to(device)
         for t in (*STEPS, 0.0):
-            x = torch.randn(1, 16, frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64)
+            x = torch.randn(1, 16, frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64).to(device)
             with cache.chunk(start_frame=start):
-                out = model(x, torch.tensor([t], dtype=torch.float64), text).sample
+                out = model(x, torch.tensor([t], dtype=torch.float64, device=device), text).sample
             ref = reference_forward(model, [*clean, x], [0.0] * c + [t], text, mask)
             worst = max(worst, (out - ref).abs().max().item())
         clean.append(x)
@@ -71,3 +71,45 @@ def test_without_the_rope_offset_chunks_differ():
     registry.remove_hook(ROPE_OFFSET_HOOK, recurse=False)
     registry.register_hook(NoOffset(cache, original.original_processors), ROPE_OFFSET_HOOK)
     assert generate(model, cache, [2, 2, 2, 2]) > 1e-3
+
+
+@torch.no_grad()
+def test_cfg_as_one_batch_equals_one_cache_per_branch():
+    """The documented CFG choice: both branches in one batch share one cache with batch 2."""
+    g = torch.Generator().manual_seed(5)
+    text = torch.randn(2, 5, 32, generator=g, dtype=torch.float64)
+    models = [tiny_wan() for _ in range(3)]
+    caches = [dq.enable_qvg(m, "bf16", window_frames=4) for m in models]
+    worst = 0.0
+    for c in range(3):
+        for t in (500.0, 0.0):
+            x = torch.randn(1, 16, 2, HEIGHT, WIDTH, generator=g, dtype=torch.float64)
+            outs = []
+            for model, cache, xb, tb in zip(models, caches, (x.expand(2, -1, -1, -1, -1), x, x), (text, text[:1], text[1:])):
+                with cache.chunk(start_frame=2 * c):
+                    outs.append(model(xb, torch.tensor([t] * xb.shape[0]), tb).sample)
+            worst = max(worst, (outs[0] - torch.cat(outs[1:])).abs().max().item())
+    assert worst <= 1e-12
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("chunk_frames", [4])
+def test_skyreels_v2_chunks_match_its_own_diffusion_forcing_forward(chunk_frames):
+    """SkyReels-V2 builds the block-causal mask itself (per-frame timesteps, 2-frame blocks): the reference
+    is the model's own full forward; a 4-frame chunk also exercises its in-chunk mask over the window."""
+    model = tiny_skyreels_v2(frames_per_block=2)
+    cache = dq.enable_qvg(model, "bf16")
+    assert isinstance(model.blocks[0].attn1.processor, dq.QVGSkyReelsV2AttnProcessor)
+    g = torch.Generator().manual_seed(2)
+    text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64)
+    clean, worst = [], 0.0
+    for c in range(3):
+        for t in (STEPS[0], 0.0):
+            x = torch.randn(1, 16, chunk_frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64)
+            with cache.chunk(start_frame=c * chunk_frames):
+                out = model(x, torch.tensor([t], dtype=torch.float64), text).sample
+            per_frame = torch.tensor([[0.0] * (c * chunk_frames) + [t] * chunk_frames], dtype=torch.float64)
+            ref = model(torch.cat([*clean, x], 2), per_frame, text, enable_diffusion_forcing=True).sample
+            worst = max(worst, (out - ref[:, :, -chunk_frames:]).abs().max().item())
+        clean.append(x)
+    assert worst <= 1e-10

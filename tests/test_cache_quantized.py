@@ -2,6 +2,7 @@
 
 from functools import lru_cache
 
+import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
@@ -13,7 +14,7 @@ B, H, D = 1, 2, 64
 HEIGHT = WIDTH = 16  # tokens per frame; patch size 1
 FRAMES, CHUNKS = 2, 4  # 512 tokens per chunk
 QVG = dq.QVGConfig(num_centroids=16)  # a 512-token chunk cannot feed the preset's 256 centroids
-RTN = PRESETS.get("rtn-int2", dq.QVGConfig.rtn())
+RTN = PRESETS["rtn-int2"]
 
 
 def video_like(generator, scale, outlier=0.0):
@@ -29,14 +30,14 @@ def reference():
     return attend_last_chunk("bf16")[0]
 
 
-def attend_last_chunk(storage, **options):
+def attend_last_chunk(storage, device="cpu", **options):
     """Write CHUNKS chunks through a one-layer cache; return the last chunk's attention output and the cache."""
     g = torch.Generator().manual_seed(7)
-    keys, values = video_like(g, 1.0, outlier=4.0), video_like(g, 1.0)
-    queries = video_like(g, 1.0)
-    rope = WanRotaryPosEmbed(D, (1, 1, 1), max_seq_len=32)
+    keys, values = video_like(g, 1.0, outlier=4.0).to(device), video_like(g, 1.0).to(device)
+    queries = video_like(g, 1.0).to(device)
+    rope = WanRotaryPosEmbed(D, (1, 1, 1), max_seq_len=32).to(device)
     cache = dq.QVGCache(dq.CacheConfig(storage=storage, **options), num_layers=1)
-    latent = torch.zeros(B, 1, FRAMES, HEIGHT, WIDTH)
+    latent = torch.zeros(B, 1, FRAMES, HEIGHT, WIDTH, device=device)
     for c in range(CHUNKS):
         with cache.chunk(start_frame=c * FRAMES):
             rotary = cache.begin_forward(rope, latent, FRAMES, HEIGHT, WIDTH)
@@ -74,3 +75,20 @@ def test_keys_cached_before_rope_quantize_better_than_after():
     before, _ = attend_last_chunk(QVG, keep_recent_chunks=0)
     after, _ = attend_last_chunk(QVG, keys_before_rope=False, keep_recent_chunks=0)
     assert rel_error(before, ref) < 0.5 * rel_error(after, ref)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("storage", ["rtn-int4", dq.KIVIConfig(key_group_tokens=32)], ids=["rtn-int4", "kivi-int2"])
+def test_baseline_storages_plug_in_by_name_or_config(storage):
+    out, cache = attend_last_chunk(storage)
+    assert 0 < rel_error(out, reference()) < 0.15
+    assert 0 < cache.memory_report().packed < attend_last_chunk("bf16")[1].memory_report().packed / 4
+
+
+@torch.no_grad()
+def test_sink_storage_is_configurable():
+    out, cache = attend_last_chunk("bf16", sink_frames=FRAMES, sink_storage=QVG)
+    assert [c.place for c in cache.layout.chunks] == ["sink", "packed", "recent", "current"]
+    report = cache.memory_report()
+    assert 0 < report.sink < report.current  # one packed sink chunk is smaller than the BF16 current slot
+    assert 0 < rel_error(out, reference()) < 0.05

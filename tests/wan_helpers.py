@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from diffusers import WanTransformer3DModel
+from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
 HEIGHT = WIDTH = 4  # latent pixels: a 2x2 patch grid, 4 tokens per frame
@@ -66,7 +66,10 @@ def reference_forward(model, latents: list[torch.Tensor], timesteps: list[float]
     """One full forward over all chunks with per-token timesteps and ``mask``; returns the last chunk's output."""
     x = torch.cat(latents, dim=2)
     t = torch.cat(
-        [torch.full((x.shape[0], c.shape[2] * TOKENS_PER_FRAME), v, dtype=x.dtype) for c, v in zip(latents, timesteps)],
+        [
+            torch.full((x.shape[0], c.shape[2] * TOKENS_PER_FRAME), v, dtype=x.dtype, device=x.device)
+            for c, v in zip(latents, timesteps)
+        ],
         dim=1,
     )
     original = dict(model.attn_processors)
@@ -76,3 +79,24 @@ def reference_forward(model, latents: list[torch.Tensor], timesteps: list[float]
     finally:
         model.set_attn_processor(original)
     return out[:, :, -latents[-1].shape[2] :]
+
+
+def tiny_skyreels_v2(frames_per_block: int, dtype: torch.dtype = torch.float64, seed: int = 0):
+    """The SkyReels-V2 twin of :func:`tiny_wan`, block-causal over ``frames_per_block`` latent frames."""
+    torch.manual_seed(seed)
+    model = SkyReelsV2Transformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=HEADS,
+        attention_head_dim=HEAD_DIM,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+        num_frame_per_block=frames_per_block,
+    )
+    return model.to(dtype).eval()

@@ -21,6 +21,7 @@ import torch
 
 from ..codecs import CodecConfig, Packed
 from ..rope_offset import wan_rope_for_frames
+from ..rotary import compute_dtype_for
 from .config import CacheConfig
 from .layer import LayerCache
 from .layout import ChunkLayout
@@ -30,6 +31,8 @@ from .workspace import Workspace
 
 
 class QVGCache:
+    """KV cache of a transformer's self-attention layers for chunk-by-chunk generation (inference only)."""
+
     def __init__(self, config: CacheConfig, num_layers: int, guard: Callable[[], None] | None = None) -> None:
         """``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there)."""
         self.config = config
@@ -88,12 +91,15 @@ class QVGCache:
         if not bool(torch.isfinite(hidden_states).all()):
             raise ValueError("the transformer input contains NaN or Inf; nothing was cached")
         if self.planned is None or self.planned[0] is not layout:
-            rotary = wan_rope_for_frames(rope, window_frame_ids(layout), height, width)
+            # Held in the compute dtype (float32; float64 for float64 models): half the bytes every layer's
+            # read rotates with, and no float64 arithmetic on the GPU.
+            dtype = compute_dtype_for(hidden_states.dtype)
+            rotary = tuple(t.to(dtype) for t in wan_rope_for_frames(rope, window_frame_ids(layout), height, width))
             self.planned = (layout, build_read_plan(layout, rotary, hidden_states.device))
-        self.layout = layout
         for move in moves:
             for layer in self.layers:
-                layer.apply(move)
+                layer.apply(move, layout)
+        self.layout = layout
         self.plan = self.planned[1]
         if self.geometry is not None:
             self.reserve_workspace()
@@ -147,9 +153,16 @@ class QVGCache:
         B, H, D, dtype, device = self.geometry
         return tuple(
             codec.allocate(
-                batch=B, capacity_tokens=tokens, heads=H, head_dim=D, num_slots=slots, dtype=dtype, device=device
+                batch=B,
+                capacity_tokens=tokens,
+                heads=H,
+                head_dim=D,
+                num_slots=slots,
+                dtype=dtype,
+                device=device,
+                role=role,
             )
-            for _ in range(2)
+            for role in ("key", "value")
         )
 
     def memory_report(self) -> MemoryReport:
@@ -164,12 +177,13 @@ class QVGCache:
         if self.geometry is not None:
             B, H, D, _, _ = self.geometry
             per_token = 2 * B * H * D * 2 * len(self.layers)  # K and V, 2 bytes each, every layer
+        rotary = 0 if self.planned is None else sum(t.numel() * t.element_size() for t in self.planned[1].rotary)
         return MemoryReport(
             sink=sink,
             packed=packed,
             recent=ring - current,
             current=current,
-            workspace=self.workspace.nbytes,
+            workspace=self.workspace.nbytes + rotary,
             bf16_equivalent=tokens * per_token,
             cached_tokens=tokens,
         )

@@ -13,7 +13,8 @@ import torch
 
 from ..codecs import Packed
 from .errors import ChunkRewriteSizeError
-from .layout import Pack, ToSink
+from .layout import ChunkLayout, Pack, ToSink
+from .plan import ReadPlan
 
 if TYPE_CHECKING:
     from .cache import QVGCache
@@ -63,15 +64,10 @@ class LayerCache:
         if key.shape[1] != tokens:
             raise ChunkRewriteSizeError(self.index, start_frame, tokens, key.shape[1])
         self.owner.check_geometry(key, value, what=f"layer {self.index}")
-        if not bool(torch.isfinite(key).all() & torch.isfinite(value).all()):
-            raise ValueError(
-                f"layer {self.index}: the chunk's keys or values contain NaN or Inf; nothing was cached. "
-                "Fix the model inputs (or the dtype overflow) before caching"
-            )
+        # No finiteness check here: it would synchronise the device in every layer. The transformer input is
+        # checked once per forward (QVGCache.begin_forward) and the codec checks every chunk it packs.
 
-    def read(
-        self, plan, rotated_key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, plan: ReadPlan, rotated_key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         owner, cfg = self.owner, self.owner.config
         B, n, H, D = value.shape
         keys, values = owner.workspace.views((B, plan.window_tokens, H, D))
@@ -87,15 +83,16 @@ class LayerCache:
         values[:, plan.current_start : end].copy_(value)
         return keys, values
 
-    # Moves between storages when a chunk becomes final (see ChunkLayout.plan).
     def ensure_ring(self) -> None:
         if self.ring is None:
             layout = self.owner.layout
             self.ring = self.owner.allocate(self.owner.config.dense, layout.ring_slots * layout.slot_tokens, layout.ring_slots)
 
+    # Moves between storages when a chunk becomes final (see ChunkLayout.plan).
     @torch.no_grad()
-    def apply(self, move: ToSink | Pack) -> None:
-        owner, cfg, layout = self.owner, self.owner.config, self.owner.layout
+    def apply(self, move: ToSink | Pack, layout: ChunkLayout) -> None:
+        """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has)."""
+        owner, cfg = self.owner, self.owner.config
         src = move.ring_slot * layout.slot_tokens
         chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
         if isinstance(move, ToSink):

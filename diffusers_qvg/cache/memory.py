@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class MemoryReport:
     """Bytes of every tensor the cache holds (K and V, all layers), by part.
 
-    ``bf16_equivalent`` is what the cached tokens (sink, packed, recent, current) would take as BF16 K and
+    ``workspace`` is the per-step scratch shared by all layers: the dense K/V window buffers and the
+    window's RoPE table. ``bf16_equivalent`` is what the cached tokens (sink, packed, recent, current) would take as BF16 K and
     V; ``compression`` divides it by the cache's own bytes (workspace excluded: it is a per-step buffer).
     Preallocated capacity counts as resident, so the ratio is honest before the pool fills.
     """

@@ -1,5 +1,7 @@
 """Attention processors that route a chunk's self-attention through the cache."""
 
-from .wan import QVGWanAttnProcessor, processors_for
+from .select import processors_for
+from .skyreels_v2 import QVGSkyReelsV2AttnProcessor
+from .wan import QVGWanAttnProcessor
 
-__all__ = ["QVGWanAttnProcessor", "processors_for"]
+__all__ = ["QVGSkyReelsV2AttnProcessor", "QVGWanAttnProcessor", "processors_for"]

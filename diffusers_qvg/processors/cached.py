@@ -1,0 +1,64 @@
+"""Self-attention through the cache for processors with Wan's layout (Wan, SkyReels-V2).
+
+Mixed in before a stock processor class: outside an active ``cache.chunk(...)``, and for cross-attention
+always, it calls the stock processor, so outputs are bit-identical. Inside a chunk, self-attention
+projects and normalises exactly as stock does, then :func:`cached_self_attention` writes the chunk's K/V
+into its layer of the cache and attends to the window.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+from ..attention import cached_self_attention
+from ..cache import QVGCache
+
+
+class CachedSelfAttentionProcessor:
+    """Keeps the stock class's ``_attention_backend`` / ``_parallel_config`` class attributes, so
+    ``transformer.set_attention_backend`` reaches it."""
+
+    def __init__(self, cache: QVGCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if encoder_hidden_states is not None or not self.cache.active:
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        if rotary_emb is None:
+            raise ValueError(
+                "cached self-attention needs the transformer's RoPE; call the transformer, not the attention "
+                "module, inside cache.chunk(...)"
+            )
+        if getattr(self._parallel_config, "context_parallel_config", None) is not None:
+            raise NotImplementedError(
+                "context parallelism splits a chunk's tokens across ranks, which this cache does not shard yet; "
+                "use data parallelism (one video per rank) with the cache"
+            )
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+
+        hidden_states = cached_self_attention(
+            self.cache.layers[self.layer_idx],
+            query,
+            key,
+            value,
+            rotary_emb,
+            attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
