@@ -43,7 +43,9 @@ def build_pipeline(small: bool, device: torch.device, dtype: torch.dtype) -> QVG
         transformer = randomize_(WanTransformer3DModel(**config), seed=0)
     cast_keeping_fp32_modules(transformer, dtype)
     enable_upstream_numerics(transformer.eval())
-    vae = randomize_(AutoencoderKLWan(**TINY_VAE_CONFIG), seed=1).eval()  # only its scale factors are used
+    # Only the VAE's scale factors are used (latent output); it sits on ``device`` so that the pipeline's
+    # execution device, taken from its first module, is the transformer's.
+    vae = randomize_(AutoencoderKLWan(**TINY_VAE_CONFIG), seed=1).eval().to(device)
     pipe = QVGCausalWanPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=self_forcing_scheduler(),
                                 transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
