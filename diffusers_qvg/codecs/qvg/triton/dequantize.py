@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ..format import QVGPacked
-from .numerics import cast_exact, e4m3_to_f32, pow2
+from . import check_runnable
+from .numerics import cast_exact, e4m3_to_f32
 
 BLOCK_ROWS = 32
 
@@ -98,7 +99,7 @@ def _dequantize_kernel(
     num_segments, num_rows, heads,
     s_out_b, s_out_t, s_out_h, s_out_d,
     s_seg_row, s_seg_col,
-    s_rot_t, s_rot_d,
+    s_cos_t, s_cos_d, s_sin_t, s_sin_d,
     s_codes_b, s_codes_t, s_codes_h, s_codes_c,
     s_scales_b, s_scales_t, s_scales_h, s_scales_g,
     s_zeros_b, s_zeros_t, s_zeros_h, s_zeros_g,
@@ -153,9 +154,8 @@ def _dequantize_kernel(
             D, GROUP, GROUP_BYTES, BITS, TRITS, SYMMETRIC, QMAX, SCALE_E4M3, STAGES, CENT_E4M3, CENT_SCALED,
         )
         pair_mask = row_mask[:, None] & (2 * pairs < D)[None, :]
-        rot = dst[:, None] * s_rot_t + (2 * pairs * s_rot_d)[None, :]
-        cos = tl.load(cos_ptr + rot, mask=pair_mask, other=0)
-        sin = tl.load(sin_ptr + rot + s_rot_d, mask=pair_mask, other=0)
+        cos = tl.load(cos_ptr + dst[:, None] * s_cos_t + (2 * pairs * s_cos_d)[None, :], mask=pair_mask, other=0)
+        sin = tl.load(sin_ptr + dst[:, None] * s_sin_t + ((2 * pairs + 1) * s_sin_d)[None, :], mask=pair_mask, other=0)
         x = tl.interleave(even * cos - odd * sin, even * sin + odd * cos)
     else:
         x = _decode_columns(
@@ -191,6 +191,7 @@ def dequantize_into(
     """
     cfg = storage.config
     B, _, H, D = storage.shape
+    check_runnable(out, segments, storage.codes, *(rotary or ()))
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"the Triton decoder writes bfloat16/float16/float32 workspaces, got {out.dtype}; use the torch backend")
     if rotary is not None and any(t.dtype != torch.float32 for t in rotary):
@@ -214,7 +215,7 @@ def dequantize_into(
         storage.codes, _bits(storage.scales), _bits(zeros), storage.ids, _bits(storage.centroids), cscale,
         storage.scale_shift,
         len(segments), num_rows, H,
-        *out.stride(), *segments.stride(), cos.stride(1), cos.stride(3),
+        *out.stride(), *segments.stride(), cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3),
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
         *storage.centroids.stride(), *cscale_strides, *storage.scale_shift.stride(),
         D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes, BITS=cfg.bits,
