@@ -18,3 +18,22 @@ def check_runnable(*tensors: torch.Tensor) -> None:
             f"the Triton QVG kernels need CUDA tensors (got {device}); on CPU use the torch backend, or set "
             "TRITON_INTERPRET=1 before importing diffusers_qvg to run them in Triton's interpreter"
         )
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors travel as their uint8 bits, decoded and encoded exactly by :mod:`.numerics` on every backend."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def centroid_scale_operand(storage) -> tuple[torch.Tensor, list[int]]:
+    """The centroid scales and their strides; a per-head scale gets stride 0 along K, so every id reads it.
+
+    Storage without centroid scales gets a dummy the kernels never read.
+    """
+    scales = storage.centroid_scales
+    if scales is None:
+        scales = storage.scale_shift.new_ones(1, 1, 1, 1, 1)
+    strides = list(scales.stride())
+    if scales.shape[-1] == 1:
+        strides[-1] = 0
+    return scales, strides

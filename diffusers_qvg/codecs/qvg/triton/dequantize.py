@@ -17,18 +17,10 @@ import triton
 import triton.language as tl
 
 from ..format import QVGPacked
-from . import check_runnable
-from .numerics import cast_exact, e4m3_to_f32
+from . import as_bits, centroid_scale_operand, check_runnable
+from .numerics import cast_exact, load_f32
 
 BLOCK_ROWS = 32
-
-
-@triton.jit
-def _load_f32(ptr, offsets, mask, E4M3: tl.constexpr):
-    if E4M3:
-        return e4m3_to_f32(tl.load(ptr + offsets, mask=mask, other=0))
-    else:
-        return tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
 
 
 @triton.jit
@@ -72,11 +64,11 @@ def _decode_columns(
 
     shift = tl.load(shift_ptr + slot * s_shift_slot + b * s_shift_b + h * s_shift_h, mask=row_mask, other=0)[:, None]
     scale_rows = b * s_scales_b + src * s_scales_t + h * s_scales_h
-    scale = _load_f32(scales_ptr, scale_rows[:, None] + (group * s_scales_g)[None, :], mask, SCALE_E4M3)
+    scale = load_f32(scales_ptr, scale_rows[:, None] + (group * s_scales_g)[None, :], mask, SCALE_E4M3)
     r = level * (scale * shift)
     if not SYMMETRIC:
         zero_rows = b * s_zeros_b + src * s_zeros_t + h * s_zeros_h
-        zero = _load_f32(zeros_ptr, zero_rows[:, None] + (group * s_zeros_g)[None, :], mask, SCALE_E4M3)
+        zero = load_f32(zeros_ptr, zero_rows[:, None] + (group * s_zeros_g)[None, :], mask, SCALE_E4M3)
         r = r + zero * shift
 
     c = tl.zeros(r.shape, tl.float32)
@@ -84,7 +76,7 @@ def _decode_columns(
         ids = tl.load(ids_ptr + b * s_ids_b + src * s_ids_t + h * s_ids_h + t * s_ids_s, mask=row_mask, other=0)
         ids = ids.to(tl.int64)
         cent_rows = slot * s_cent_slot + t * s_cent_stage + b * s_cent_b + h * s_cent_h + ids * s_cent_k
-        term = _load_f32(cent_ptr, cent_rows[:, None] + (cols * s_cent_d)[None, :], mask, CENT_E4M3)
+        term = load_f32(cent_ptr, cent_rows[:, None] + (cols * s_cent_d)[None, :], mask, CENT_E4M3)
         if CENT_SCALED:
             cscale_rows = slot * s_cscale_slot + t * s_cscale_stage + b * s_cscale_b + h * s_cscale_h + ids * s_cscale_k
             term = term * tl.load(cscale_ptr + cscale_rows, mask=row_mask, other=0)[:, None]
@@ -174,11 +166,6 @@ def _dequantize_kernel(
     tl.store(out_ptr + out_rows[:, None] + (cols * s_out_d)[None, :], cast_exact(x, out_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """fp8 tensors travel as their uint8 bits (decoded exactly in the kernel on every backend)."""
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
-
-
 def dequantize_into(
     storage: QVGPacked,
     segments: torch.Tensor,
@@ -203,16 +190,12 @@ def dequantize_into(
         return
     cos, sin = rotary if rotary is not None else (out, out)
     zeros = storage.zeros if storage.zeros is not None else storage.scales
-    cscale = storage.centroid_scales if storage.centroid_scales is not None else storage.scale_shift.new_ones(1, 1, 1, 1, 1)
-    # A per-head centroid scale has one column: stride 0 makes every id read it.
-    cscale_strides = list(cscale.stride())
-    if cscale.shape[-1] == 1:
-        cscale_strides[-1] = 0
+    cscale, cscale_strides = centroid_scale_operand(storage)
     num_rows = W * H
     grid = (triton.cdiv(num_rows, BLOCK_ROWS), B)
     _dequantize_kernel[grid](
         out, segments, cos, sin,
-        storage.codes, _bits(storage.scales), _bits(zeros), storage.ids, _bits(storage.centroids), cscale,
+        storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids, as_bits(storage.centroids), cscale,
         storage.scale_shift,
         len(segments), num_rows, H,
         *out.stride(), *segments.stride(), cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3),

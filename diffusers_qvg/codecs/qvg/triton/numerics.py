@@ -42,6 +42,15 @@ def e4m3_to_f32(bits):
 
 
 @triton.jit
+def load_f32(ptr, offsets, mask, E4M3: tl.constexpr):
+    """Load values as float32; with ``E4M3`` the pointer holds float8_e4m3fn bits (see :func:`as_bits`)."""
+    if E4M3:
+        return e4m3_to_f32(tl.load(ptr + offsets, mask=mask, other=0))
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
+
+
+@triton.jit
 def f32_to_e4m3(v):
     """Encode a float32 that is exactly representable in e4m3 (see :func:`round_to_format`) as its bits (int32)."""
     sign = tl.where(v.to(tl.int32, bitcast=True) < 0, 128, 0)
