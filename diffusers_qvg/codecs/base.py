@@ -131,6 +131,13 @@ class CodecConfig(ABC):
     def check_storage_fits(self, storage: Packed, x: torch.Tensor, token_start: int, slot: int) -> None:
         """Validate a ``quantize_into`` call before anything is written."""
         self.validate_input(x)
+        if storage.config != self:
+            raise ValueError(
+                f"this storage was allocated by {storage.config!r}, not by {self!r}; "
+                "quantize with the config that allocated it"
+            )
+        if x.dtype != storage.dtype:
+            raise ValueError(f"x has dtype {x.dtype} but the storage holds {storage.dtype}; cast x first")
         B, T, H, D = storage.shape
         b, n, h, d = x.shape
         if (b, h, d) != (B, H, D):

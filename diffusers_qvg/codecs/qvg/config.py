@@ -11,6 +11,9 @@ import torch
 from ..base import CodecConfig, Packed, Role
 
 CentroidDType = Literal["e4m3", "bfloat16", "float16", "float32"]
+MAX_CENTROIDS = 2**15  # ids are stored as uint8 (K <= 256) or int16
+# Largest input magnitude: k-means' squared distances and every scale must stay finite in float32.
+MAX_ABS_INPUT = 2.0**50
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,7 @@ class QVGConfig(CodecConfig):
     kmeans_init: Literal["kmeans++", "strided", "random"] = "kmeans++"
     stages: int = 1
     centroid_dtype: CentroidDType = "e4m3"
-    centroid_scale: Literal["centroid", "head"] = "centroid"
+    centroid_scale: Literal["centroid", "head"] = "head"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -72,8 +75,14 @@ class QVGConfig(CodecConfig):
             raise bad("scale_dtype", self.scale_dtype, "use 'e4m3' or 'fp16'")
         if self.scale_search not in ("mse", "absmax"):
             raise bad("scale_search", self.scale_search, "use 'mse' or 'absmax'")
-        if self.num_centroids is not None and (not isinstance(self.num_centroids, int) or self.num_centroids < 1):
-            raise bad("num_centroids", self.num_centroids, "use a positive integer (at most the tokens per segment)")
+        if self.num_centroids is not None and (
+            not isinstance(self.num_centroids, int) or not 1 <= self.num_centroids <= MAX_CENTROIDS
+        ):
+            raise bad(
+                "num_centroids", self.num_centroids, f"use an integer in [1, {MAX_CENTROIDS}] (at most the tokens per segment)"
+            )
+        if not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "use an integer")
         if not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 0:
             raise bad("kmeans_iters", self.kmeans_iters, "use 0 or more Lloyd iterations")
         if self.kmeans_init not in ("kmeans++", "strided", "random"):
@@ -96,6 +105,17 @@ class QVGConfig(CodecConfig):
             kmeans_iters=2,
             kmeans_init="random",
             centroid_dtype="bfloat16",
+        )
+
+    @classmethod
+    def rtn(cls, bits: int = 2, symmetric: bool = True, group_size: int = 64) -> "QVGConfig":
+        """Round-to-nearest baseline: no k-means (``stages=0``), absmax fp16 scales per token group.
+
+        Symmetric INT2 is ternary (as in QVG's own residual); codes are packed ``8 // bits`` per byte.
+        """
+        return cls(
+            bits=bits, symmetric=symmetric, packing="bits", group_size=group_size, scale_dtype="fp16",
+            scale_search="absmax", stages=0,
         )
 
     # Derived quantities, one definition each.
@@ -147,6 +167,12 @@ class QVGConfig(CodecConfig):
         if D % self.group_size:
             raise ValueError(
                 f"head_dim {D} is not divisible by group_size {self.group_size}; pick a group_size that divides it"
+            )
+        amax = x.abs().amax().item()
+        if amax > MAX_ABS_INPUT:
+            raise ValueError(
+                f"{what} has values up to {amax:.3g}; QVG stores magnitudes up to 2^50 (~1.1e15), beyond which "
+                "float32 distances and scales overflow; rescale the tensor"
             )
         if self.stages and self.centroids > x.shape[1]:
             raise ValueError(
