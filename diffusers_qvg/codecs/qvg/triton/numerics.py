@@ -69,7 +69,14 @@ def round_to_format(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """
     e = tl.maximum(exponent(v), MIN_EXPONENT)
     quantum = pow2(e - MANTISSA)
-    return rint(v / quantum) * quantum
+    magnitude = rint(tl.abs(v) / quantum) * quantum
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)  # -0.0 stays -0.0, as in a cast
+
+
+@triton.jit
+def clamp(v, lo, hi):
+    """``torch.clamp``'s result bit for bit: a -0.0 inside the range stays -0.0 (min/max instructions may not)."""
+    return tl.where(v < lo, lo, tl.where(v > hi, hi, v))
 
 
 @triton.jit

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ..format import QVGPacked
 from . import as_bits, centroid_scale_operand, check_runnable
-from .numerics import exponent, f32_to_e4m3, load_f32, pow2, rint, round_to_format
+from .numerics import clamp, exponent, f32_to_e4m3, load_f32, pow2, rint, round_to_format
 
 BLOCK_TOKENS = 16
 
@@ -151,7 +151,7 @@ def _residual_codes_kernel(
         zero = tl.zeros_like(hi)
         zero_f = tl.zeros_like(hi)
     else:
-        zero = round_to_format(tl.minimum(tl.maximum(tl.math.div_rn(lo, shift), -FMT_MAX), FMT_MAX), MANTISSA, MIN_EXPONENT)
+        zero = round_to_format(clamp(tl.math.div_rn(lo, shift), -FMT_MAX, FMT_MAX), MANTISSA, MIN_EXPONENT)
         zero_f = zero * shift
         extent = hi - zero_f
 
@@ -161,7 +161,7 @@ def _residual_codes_kernel(
     for j in tl.static_range(CANDIDATES):
         alpha = tl.load(alpha_ptr + j)
         v = tl.math.div_rn(tl.math.div_rn(alpha * extent, QMAX + 0.0), shift)
-        s = round_to_format(tl.minimum(tl.maximum(v, 0.0), FMT_MAX), MANTISSA, MIN_EXPONENT)
+        s = round_to_format(clamp(v, 0.0, FMT_MAX), MANTISSA, MIN_EXPONENT)
         step = (s * shift)[:, :, None]
         y = tl.math.div_rn(g - zero_f[:, :, None], tl.where(step > 0, step, 1.0))
         y = tl.minimum(tl.maximum(y, LOW - 1.0), QMAX + 1.0)
