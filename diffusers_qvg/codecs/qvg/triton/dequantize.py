@@ -53,8 +53,9 @@ def _decode_columns(
     byte = tl.load(codes_ptr + code_rows[:, None] + (byte_index * s_codes_c)[None, :], mask=mask, other=0)
     byte = byte.to(tl.int32)
     if TRITS:
-        weight = tl.where(digit == 0, 81, tl.where(digit == 1, 27, tl.where(digit == 2, 9, tl.where(digit == 3, 3, 1))))
-        u = (byte // weight[None, :]) % 3
+        # byte // 3^(4 - digit) as a multiply and shift: ceil(2^16 / 3^k) is exact for every byte.
+        magic = tl.where(digit == 0, 810, tl.where(digit == 1, 2428, tl.where(digit == 2, 7282, tl.where(digit == 3, 21846, 65536))))
+        u = ((byte * magic[None, :]) >> 16) % 3
     else:
         u = (byte >> (BITS * (8 // BITS - 1 - digit))[None, :]) & ((1 << BITS) - 1)
     if SYMMETRIC:
