@@ -18,71 +18,10 @@ import triton.language as tl
 
 from ..format import QVGPacked
 from . import as_bits, centroid_scale_operand, check_runnable
+from .centroids import stage_centroids
 from .numerics import cast_exact, load_f32
 
 BLOCK_ROWS = 32
-
-
-@triton.jit
-def _decode_columns(
-    cols, row_mask, b, src, h, slot,
-    codes_ptr, scales_ptr, zeros_ptr, ids_ptr, cent_ptr, cscale_ptr, shift_ptr,
-    s_codes_b, s_codes_t, s_codes_h, s_codes_c,
-    s_scales_b, s_scales_t, s_scales_h, s_scales_g,
-    s_zeros_b, s_zeros_t, s_zeros_h, s_zeros_g,
-    s_ids_b, s_ids_t, s_ids_h, s_ids_s,
-    s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
-    s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
-    s_shift_slot, s_shift_b, s_shift_h,
-    D: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BITS: tl.constexpr, TRITS: tl.constexpr,
-    SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr, STAGES: tl.constexpr,
-    CENT_E4M3: tl.constexpr, CENT_SCALED: tl.constexpr,
-):
-    """Decode channels ``cols`` of rows (b, src, h, slot) to float32 [rows, len(cols)]."""
-    mask = row_mask[:, None] & (cols < D)[None, :]
-    group = cols // GROUP
-    within = cols % GROUP
-    if TRITS:
-        digit = within % 5
-        byte_index = group * GROUP_BYTES + within // 5
-    else:
-        digit = within % (8 // BITS)
-        byte_index = group * GROUP_BYTES + within // (8 // BITS)
-
-    code_rows = b * s_codes_b + src * s_codes_t + h * s_codes_h
-    byte = tl.load(codes_ptr + code_rows[:, None] + (byte_index * s_codes_c)[None, :], mask=mask, other=0)
-    byte = byte.to(tl.int32)
-    if TRITS:
-        # byte // 3^(4 - digit) as a multiply and shift: ceil(2^16 / 3^k) is exact for every byte.
-        magic = tl.where(digit == 0, 810, tl.where(digit == 1, 2428, tl.where(digit == 2, 7282, tl.where(digit == 3, 21846, 65536))))
-        u = ((byte * magic[None, :]) >> 16) % 3
-    else:
-        u = (byte >> (BITS * (8 // BITS - 1 - digit))[None, :]) & ((1 << BITS) - 1)
-    if SYMMETRIC:
-        level = (u - QMAX).to(tl.float32)
-    else:
-        level = u.to(tl.float32)
-
-    shift = tl.load(shift_ptr + slot * s_shift_slot + b * s_shift_b + h * s_shift_h, mask=row_mask, other=0)[:, None]
-    scale_rows = b * s_scales_b + src * s_scales_t + h * s_scales_h
-    scale = load_f32(scales_ptr, scale_rows[:, None] + (group * s_scales_g)[None, :], mask, SCALE_E4M3)
-    r = level * (scale * shift)
-    if not SYMMETRIC:
-        zero_rows = b * s_zeros_b + src * s_zeros_t + h * s_zeros_h
-        zero = load_f32(zeros_ptr, zero_rows[:, None] + (group * s_zeros_g)[None, :], mask, SCALE_E4M3)
-        r = r + zero * shift
-
-    c = tl.zeros(r.shape, tl.float32)
-    for t in tl.static_range(STAGES):
-        ids = tl.load(ids_ptr + b * s_ids_b + src * s_ids_t + h * s_ids_h + t * s_ids_s, mask=row_mask, other=0)
-        ids = ids.to(tl.int64)
-        cent_rows = slot * s_cent_slot + t * s_cent_stage + b * s_cent_b + h * s_cent_h + ids * s_cent_k
-        term = load_f32(cent_ptr, cent_rows[:, None] + (cols * s_cent_d)[None, :], mask, CENT_E4M3)
-        if CENT_SCALED:
-            cscale_rows = slot * s_cscale_slot + t * s_cscale_stage + b * s_cscale_b + h * s_cscale_h + ids * s_cscale_k
-            term = term * tl.load(cscale_ptr + cscale_rows, mask=row_mask, other=0)[:, None]
-        c = c + term
-    return r + c
 
 
 @triton.jit
@@ -126,45 +65,60 @@ def _dequantize_kernel(
     row_mask = (rows < num_rows) & covered
     dst = dst.to(tl.int64)
 
-    if ROTARY:
-        pairs = tl.arange(0, D_PAD // 2)
-        even = _decode_columns(
-            2 * pairs, row_mask, b, src, h, slot,
-            codes_ptr, scales_ptr, zeros_ptr, ids_ptr, cent_ptr, cscale_ptr, shift_ptr,
-            s_codes_b, s_codes_t, s_codes_h, s_codes_c, s_scales_b, s_scales_t, s_scales_h, s_scales_g,
-            s_zeros_b, s_zeros_t, s_zeros_h, s_zeros_g, s_ids_b, s_ids_t, s_ids_h, s_ids_s,
-            s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
-            s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k, s_shift_slot, s_shift_b, s_shift_h,
-            D, GROUP, GROUP_BYTES, BITS, TRITS, SYMMETRIC, QMAX, SCALE_E4M3, STAGES, CENT_E4M3, CENT_SCALED,
-        )
-        odd = _decode_columns(
-            2 * pairs + 1, row_mask, b, src, h, slot,
-            codes_ptr, scales_ptr, zeros_ptr, ids_ptr, cent_ptr, cscale_ptr, shift_ptr,
-            s_codes_b, s_codes_t, s_codes_h, s_codes_c, s_scales_b, s_scales_t, s_scales_h, s_scales_g,
-            s_zeros_b, s_zeros_t, s_zeros_h, s_zeros_g, s_ids_b, s_ids_t, s_ids_h, s_ids_s,
-            s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
-            s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k, s_shift_slot, s_shift_b, s_shift_h,
-            D, GROUP, GROUP_BYTES, BITS, TRITS, SYMMETRIC, QMAX, SCALE_E4M3, STAGES, CENT_E4M3, CENT_SCALED,
-        )
-        pair_mask = row_mask[:, None] & (2 * pairs < D)[None, :]
-        cos = tl.load(cos_ptr + dst[:, None] * s_cos_t + (2 * pairs * s_cos_d)[None, :], mask=pair_mask, other=0)
-        sin = tl.load(sin_ptr + dst[:, None] * s_sin_t + ((2 * pairs + 1) * s_sin_d)[None, :], mask=pair_mask, other=0)
-        x = tl.interleave(even * cos - odd * sin, even * sin + odd * cos)
-    else:
-        x = _decode_columns(
-            tl.arange(0, D_PAD), row_mask, b, src, h, slot,
-            codes_ptr, scales_ptr, zeros_ptr, ids_ptr, cent_ptr, cscale_ptr, shift_ptr,
-            s_codes_b, s_codes_t, s_codes_h, s_codes_c, s_scales_b, s_scales_t, s_scales_h, s_scales_g,
-            s_zeros_b, s_zeros_t, s_zeros_h, s_zeros_g, s_ids_b, s_ids_t, s_ids_h, s_ids_s,
-            s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
-            s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k, s_shift_slot, s_shift_b, s_shift_h,
-            D, GROUP, GROUP_BYTES, BITS, TRITS, SYMMETRIC, QMAX, SCALE_E4M3, STAGES, CENT_E4M3, CENT_SCALED,
-        )
-
     cols = tl.arange(0, D_PAD)
+    mask = row_mask[:, None] & (cols < D)[None, :]
+    group = cols // GROUP
+    within = cols % GROUP
+    if TRITS:
+        digit = within % 5
+        byte_index = group * GROUP_BYTES + within // 5
+    else:
+        digit = within % (8 // BITS)
+        byte_index = group * GROUP_BYTES + within // (8 // BITS)
+
+    # Residual: level * (scale * shift) (+ zero * shift), every product exact.
+    code_rows = b * s_codes_b + src * s_codes_t + h * s_codes_h
+    byte = tl.load(codes_ptr + code_rows[:, None] + (byte_index * s_codes_c)[None, :], mask=mask, other=0).to(tl.int32)
+    if TRITS:
+        # byte // 3^(4 - digit) as a multiply and shift: ceil(2^16 / 3^k) is exact for every byte.
+        magic = tl.where(digit == 0, 810, tl.where(digit == 1, 2428, tl.where(digit == 2, 7282, tl.where(digit == 3, 21846, 65536))))
+        u = ((byte * magic[None, :]) >> 16) % 3
+    else:
+        u = (byte >> (BITS * (8 // BITS - 1 - digit))[None, :]) & ((1 << BITS) - 1)
+    if SYMMETRIC:
+        level = (u - QMAX).to(tl.float32)
+    else:
+        level = u.to(tl.float32)
+    shift = tl.load(shift_ptr + slot * s_shift_slot + b * s_shift_b + h * s_shift_h, mask=row_mask, other=0)[:, None]
+    scale_rows = b * s_scales_b + src * s_scales_t + h * s_scales_h
+    scale = load_f32(scales_ptr, scale_rows[:, None] + (group * s_scales_g)[None, :], mask, SCALE_E4M3)
+    x = level * (scale * shift)
+    if not SYMMETRIC:
+        zero_rows = b * s_zeros_b + src * s_zeros_t + h * s_zeros_h
+        x = x + load_f32(zeros_ptr, zero_rows[:, None] + (group * s_zeros_g)[None, :], mask, SCALE_E4M3) * shift
+
+    # Centroids: summed from 0.0 stage by stage, then added, exactly as the reference orders it.
+    c = tl.zeros([BLOCK, D_PAD], tl.float32)
+    id_rows = b * s_ids_b + src * s_ids_t + h * s_ids_h
+    table_rows = slot * s_cent_slot + b * s_cent_b + h * s_cent_h
+    cscale_rows = slot * s_cscale_slot + b * s_cscale_b + h * s_cscale_h
+    for t in tl.static_range(STAGES):
+        c = c + stage_centroids(
+            t, cols, mask, row_mask, id_rows, table_rows, ids_ptr, cent_ptr, cscale_ptr,
+            s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows, CENT_E4M3, CENT_SCALED,
+        )
+    x = x + c
+
+    if ROTARY:  # Wan's interleaved pairs: (x1 cos - x2 sin, x1 sin + x2 cos), cos at even and sin at odd channels
+        cos = tl.load(cos_ptr + dst[:, None] * s_cos_t + (cols * s_cos_d)[None, :], mask=mask, other=0)
+        sin = tl.load(sin_ptr + dst[:, None] * s_sin_t + (cols * s_sin_d)[None, :], mask=mask, other=0)
+        x1, x2 = tl.split(tl.reshape(x, (BLOCK, D_PAD // 2, 2)))
+        c_even, _ = tl.split(tl.reshape(cos, (BLOCK, D_PAD // 2, 2)))
+        _, s_odd = tl.split(tl.reshape(sin, (BLOCK, D_PAD // 2, 2)))
+        x = tl.reshape(tl.join(x1 * c_even - x2 * s_odd, x1 * s_odd + x2 * c_even), (BLOCK, D_PAD))
+
     out_rows = b * s_out_b + dst * s_out_t + h * s_out_h
-    out_mask = row_mask[:, None] & (cols < D)[None, :]
-    tl.store(out_ptr + out_rows[:, None] + (cols * s_out_d)[None, :], cast_exact(x, out_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(out_ptr + out_rows[:, None] + (cols * s_out_d)[None, :], cast_exact(x, out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_into(

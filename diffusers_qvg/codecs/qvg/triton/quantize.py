@@ -24,7 +24,8 @@ import triton.language as tl
 
 from ..format import QVGPacked
 from . import as_bits, centroid_scale_operand, check_runnable
-from .numerics import clamp, exponent, f32_to_e4m3, load_f32, pow2, rint, round_to_format
+from .centroids import stage_centroids
+from .numerics import clamp, exponent, f32_to_e4m3, pow2, rint, round_to_format
 
 BLOCK_TOKENS = 16
 
@@ -45,15 +46,14 @@ def _residual(
     x_rows = b * s_x_b + tokens * s_x_t + h * s_x_h
     r = tl.load(x_ptr + x_rows[:, None] + (cols * s_x_d)[None, :], mask=mask, other=0).to(tl.float32)
     stored = token_start + tokens
+    id_rows = b * s_ids_b + stored * s_ids_t + h * s_ids_h
+    table_rows = slot * s_cent_slot + b * s_cent_b + h * s_cent_h
+    cscale_rows = slot * s_cscale_slot + b * s_cscale_b + h * s_cscale_h
     for t in tl.static_range(STAGES):
-        ids = tl.load(ids_ptr + b * s_ids_b + stored * s_ids_t + h * s_ids_h + t * s_ids_s, mask=row_mask, other=0)
-        ids = ids.to(tl.int64)
-        cent_rows = slot * s_cent_slot + t * s_cent_stage + b * s_cent_b + h * s_cent_h + ids * s_cent_k
-        c = load_f32(cent_ptr, cent_rows[:, None] + (cols * s_cent_d)[None, :], mask, CENT_E4M3)
-        if CENT_SCALED:
-            cscale_rows = slot * s_cscale_slot + t * s_cscale_stage + b * s_cscale_b + h * s_cscale_h + ids * s_cscale_k
-            c = c * tl.load(cscale_ptr + cscale_rows, mask=row_mask, other=0)[:, None]
-        r = r - c
+        r = r - stage_centroids(
+            t, cols, mask, row_mask, id_rows, table_rows, ids_ptr, cent_ptr, cscale_ptr,
+            s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows, CENT_E4M3, CENT_SCALED,
+        )
     return r
 
 
