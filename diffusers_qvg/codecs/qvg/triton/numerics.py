@@ -68,8 +68,8 @@ def round_to_format(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     e4m3 is (3, -6), float16 (10, -14). Values must lie below the format's maximum (no saturation here).
     """
     e = tl.maximum(exponent(v), MIN_EXPONENT)
-    quantum = pow2(e - MANTISSA)
-    magnitude = rint(tl.abs(v) / quantum) * quantum
+    # Scaling by powers of two is exact; a `/` could compile to an approximate division.
+    magnitude = rint(tl.abs(v) * pow2(MANTISSA - e)) * pow2(e - MANTISSA)
     return tl.where(v.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)  # -0.0 stays -0.0, as in a cast
 
 
