@@ -2,16 +2,20 @@
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
 
 import pytest
-import torch
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.qvg import backend
 from diffusers_qvg.codecs.qvg.decode import dequantize_into as reference
 from diffusers_qvg.codecs.qvg.format import QVGPacked, allocate_qvg, pack_codes
 from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_into as triton_dequantize
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
 
 VARIANTS = {
     "default-trits-e4m3": dq.QVGConfig(num_centroids=5),
@@ -46,19 +50,20 @@ def random_storage(config, *, batch=2, tokens=13, heads=3, head_dim=64, slots=3,
             t.copy_(torch.randn(t.shape, generator=g) * 4)
     if s.config.symmetric:
         s.scales.abs_()
-    return s
+    return QVGPacked(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in s.__dict__.items()})
 
 
 def random_rotary(window, head_dim, seed=1):
     g = torch.Generator().manual_seed(seed)
     angles = torch.randn(1, window, 1, head_dim // 2, generator=g, dtype=torch.float64) * 40
-    return tuple(f(angles).repeat_interleave(2, dim=-1).float() for f in (torch.cos, torch.sin))
+    return tuple(f(angles).repeat_interleave(2, dim=-1).float().to(DEVICE) for f in (torch.cos, torch.sin))
 
 
 def assert_bit_identical(storage, segments, window, rotary=None, out_dtype=None, out=None):
     B, _, H, D = storage.shape
     if out is None:
-        out = torch.full((B, window, H, D), 7.0, dtype=out_dtype or storage.dtype)
+        out = torch.full((B, window, H, D), 7.0, dtype=out_dtype or storage.dtype, device=DEVICE)
+    segments = segments.to(DEVICE)
     expected = out.clone()
     reference(storage, segments, expected, rotary)
     triton_dequantize(storage, segments, out, rotary)
@@ -96,7 +101,7 @@ def test_many_segments_of_different_lengths_into_gaps_leave_other_rows_untouched
         rows.append((src, n, dst, (i * 4) % 9))
         src += n
     out = assert_bit_identical(storage, dq.segment_table(rows), 60, random_rotary(60, 64))
-    covered = torch.zeros(60, dtype=torch.bool)
+    covered = torch.zeros(60, dtype=torch.bool, device=DEVICE)
     for _, n, d, _ in rows:
         covered[d : d + n] = True
     assert (~covered).any() and (out[:, ~covered] == 7.0).all()
@@ -111,10 +116,10 @@ def test_non_contiguous_storage_workspace_table_and_rotary():
 
     storage = QVGPacked(**{**dense.__dict__, **{n: strided(getattr(dense, n)) for n in ("codes", "scales", "zeros", "ids")}})
     assert not storage.codes.is_contiguous()
-    table = torch.zeros(3, 8, dtype=torch.int32)
+    table = torch.zeros(3, 8, dtype=torch.int32, device=DEVICE)
     table[:, ::2] = SEGMENTS
     segments = table[:, ::2]
-    big = torch.full((2, 14, 3, 128), 7.0, dtype=torch.bfloat16)
+    big = torch.full((2, 14, 3, 128), 7.0, dtype=torch.bfloat16, device=DEVICE)
     out = big[..., ::2]
     cos, sin = random_rotary(14, 64)
     rotary = (cos.expand(1, 14, 3, 64)[:, :, 1:2], torch.cat([sin, sin], dim=-1)[..., ::2])
@@ -133,9 +138,9 @@ def test_backend_override_routes_the_codec_verb():
     storage = random_storage(config)
     outs = {}
     for name in ("torch", "triton"):
-        outs[name] = torch.zeros(2, 14, 3, 64, dtype=torch.bfloat16)
+        outs[name] = torch.zeros(2, 14, 3, 64, dtype=torch.bfloat16, device=DEVICE)
         with backend(name):
-            config.dequantize_into(storage, SEGMENTS, outs[name], random_rotary(14, 64))
+            config.dequantize_into(storage, SEGMENTS.to(DEVICE), outs[name], random_rotary(14, 64))
     assert torch.equal(outs["torch"], outs["triton"]) and outs["torch"].abs().sum() > 0
 
 
@@ -144,12 +149,15 @@ def test_unknown_backend_and_unsupported_workspace_are_refused_before_writing():
         with backend("cuda"):
             pass
     storage = random_storage(VARIANTS["default-trits-e4m3"], dtype=torch.float64)
-    out = torch.full((2, 14, 3, 64), 7.0, dtype=torch.float64)
+    out = torch.full((2, 14, 3, 64), 7.0, dtype=torch.float64, device=DEVICE)
+    segments = SEGMENTS.to(DEVICE)
     with pytest.raises(ValueError, match="torch backend"):
-        triton_dequantize(storage, SEGMENTS, out)
+        triton_dequantize(storage, segments, out)
+    with pytest.raises(ValueError, match="backend\\('torch'\\)"), backend("triton"):
+        storage.config.dequantize_into(storage, segments, out)
     assert (out == 7.0).all()
     with backend("torch"):  # float64 decodes on the reference, exactly
-        storage.config.dequantize_into(storage, SEGMENTS, out)
+        storage.config.dequantize_into(storage, segments, out)
     assert not (out == 7.0).all()
 
 
@@ -160,9 +168,8 @@ def test_window_at_self_forcing_size_is_bit_identical_on_gpu(name):
     config = VARIANTS[name]
     chunk, heads, D = 4680, 12, 128
     storage = random_storage(config, batch=1, tokens=7 * chunk, heads=heads, head_dim=D, slots=7)
-    storage = QVGPacked(**{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in storage.__dict__.items()})
     segments = dq.segment_table([(i * chunk, chunk, (6 - i) * chunk, i) for i in range(7)], device="cuda")
-    cos, sin = (t.cuda() for t in random_rotary(7 * chunk, D))
+    cos, sin = random_rotary(7 * chunk, D)
     for rotary in (None, (cos, sin)):
         expected = torch.empty(1, 7 * chunk, heads, D, dtype=torch.bfloat16, device="cuda")
         out = torch.empty_like(expected)

@@ -2,18 +2,23 @@
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
 
 import pytest
-import torch
 from flash_kmeans.torch_fallback import batch_kmeans_Euclid_torch_native
 
 from diffusers_qvg.codecs.qvg.triton.assign import assign
 from diffusers_qvg.codecs.qvg.triton.centroid_update import lloyd, update_centroids
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
+
+
 def points(P=3, N=101, D=48, seed=0):
-    return torch.randn(P, N, D, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(P, N, D, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 def exact_nearest(x, c):
@@ -46,7 +51,7 @@ def test_assignment_reads_strided_points():
 
 def test_update_is_the_cluster_mean_and_empty_clusters_keep_theirs():
     x = points()
-    ids = torch.randint(0, 6, (3, 101), generator=torch.Generator().manual_seed(2))  # clusters 6, 7 stay empty
+    ids = torch.randint(0, 6, (3, 101), generator=torch.Generator().manual_seed(2)).to(DEVICE)  # clusters 6, 7 stay empty
     old = points(N=8, seed=3)
     new = update_centroids(x, ids, old)
     for k in range(6):
