@@ -28,7 +28,7 @@ class BF16Config(CodecConfig):
 
     name: ClassVar[str] = "bf16"
 
-    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device) -> DensePacked:
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device, role="value") -> DensePacked:
         values = torch.zeros(batch, capacity_tokens, heads, head_dim, dtype=dtype, device=device)
         return DensePacked(self, (batch, capacity_tokens, heads, head_dim), dtype, num_slots, values)
 

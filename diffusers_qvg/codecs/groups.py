@@ -4,7 +4,7 @@ Values come in groups along the last axis of ``r`` [B, X, H, G, gs]: one scale (
 are stored in fp8-e4m3 or fp16 *relative to a per-(batch, head) power-of-two shift*, chosen so that the
 largest scale of the head just fits the format: tiny inputs do not underflow and huge ones do not
 saturate, and multiplying by the shift is exact. The arithmetic below is the contract the Triton
-quantize kernel reproduces (see ``/work/encoder_spec.md`` and :mod:`diffusers_qvg.codecs.qvg.format`).
+quantize kernel reproduces; :mod:`diffusers_qvg.codecs.qvg.format` gives the decoding side.
 """
 
 from __future__ import annotations
@@ -19,6 +19,18 @@ ScaleSearch = Literal["absmax", "mse"]
 # Smallest and largest float32 normal exponents: every shift and centroid scale is a normal float32.
 MIN_EXP, MAX_EXP = -126, 127
 MSE_CANDIDATES = 14  # alpha_j = 1 - j/20, j = 0..13: from the absmax scale down to 0.35 of it
+# Largest input magnitude: squared distances, group ranges and every shift must stay finite in float32.
+MAX_ABS_INPUT = 2.0**50
+
+
+def check_magnitude(x: torch.Tensor, what: str = "x") -> None:
+    """Raise if ``x`` holds values too large for float32 scales and distances (a host sync)."""
+    amax = x.abs().amax().item()
+    if amax > MAX_ABS_INPUT:
+        raise ValueError(
+            f"{what} has values up to {amax:.3g}; quantized formats store magnitudes up to 2^50 (~1.1e15), beyond "
+            "which float32 distances and scales overflow; rescale the tensor"
+        )
 
 
 def pow2_at_least(v: torch.Tensor) -> torch.Tensor:
@@ -54,9 +66,16 @@ def quantize_groups(
     """Quantize ``r`` [B, X, H, G, gs] (float32 or float64) in groups along the last axis.
 
     Symmetric codes are ``q in [-qmax, qmax]`` with ``qmax = 2^(bits-1) - 1`` (INT2: ternary), decoded as
-    ``q * step``; asymmetric codes are ``q in [0, 2^bits - 1]``, decoded as ``q * step + zero``. Each
-    group tries the scales ``alpha_j * absmax`` of :func:`scale_candidates` and keeps the one with the
-    smallest squared error (ties to the larger scale).
+    ``q * step``; asymmetric codes are ``q in [0, 2^bits - 1]``, decoded as ``q * step + zero``. In order:
+
+    - extent: symmetric ``a = max|r|``; asymmetric ``lo, hi = min r, max r`` per group;
+    - ``shift = pow2_at_least(A / fmt_max)`` per (batch, head), ``A`` the head's largest ``a / qmax``
+      (asymmetric: of ``max((hi - lo) / qmax, |lo|)``), so that no scale or zero saturates;
+    - asymmetric: ``zero = fmt(lo / shift)``, ``zf = float(zero) * shift``, and the extent becomes ``hi - zf``;
+    - for each ``alpha_j`` of :func:`scale_candidates`: ``s = fmt(clamp(alpha_j * extent / qmax / shift,
+      0, fmt_max))``, ``step = float(s) * shift``, ``q = clamp(round_half_even((r - zf) / step), low, qmax)``
+      (0 where ``step == 0``), ``err = sum((r - (q * step + zf))^2)``; keep the smallest error, ties to
+      the smaller ``j`` (the larger scale).
     """
     f = r.dtype
     qmax = 2 ** (bits - 1) - 1 if symmetric else 2**bits - 1
@@ -77,11 +96,11 @@ def quantize_groups(
         zero_f = zeros.to(f) * sh
         extent = hi - zero_f
 
+    low = -qmax if symmetric else 0
     best_err = best_q = best_s = None
     for alpha in scale_candidates(search, f, r.device):
         s = (alpha * extent / qmax / sh).clamp(0, fmt_max).to(fmt)
         step = (s.to(f) * sh).unsqueeze(-1)
-        low = -qmax if symmetric else 0
         q = torch.where(step > 0, torch.round((r - zero_f.unsqueeze(-1)) / step).clamp(low, qmax), 0.0)
         err = (r - (q * step + zero_f.unsqueeze(-1))).square().sum(-1)
         if best_err is None:
