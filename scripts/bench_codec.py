@@ -15,7 +15,7 @@ import time
 import torch
 
 import diffusers_qvg as dq
-from diffusers_qvg.codec_quality import CodecQuality, measure_codec
+from diffusers_qvg.codec_quality import CodecQuality, attention_probe, measure_codec
 from diffusers_qvg.codecs import PRESETS
 from diffusers_qvg.video_kv import VideoKVSpec, video_kv
 
@@ -79,11 +79,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{spec.heads} heads x {spec.head_dim}, clips {', '.join(spec.clips)}; built in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,
     )
+    probe = attention_probe(data, queries, args.sharpness)
     results = {}
     for name, (codec, warm) in rows.items():
         if args.only and name not in args.only:
             continue
-        results[name] = measure_codec(codec, data, queries=queries, sharpness=args.sharpness, warm_start=warm)
+        results[name] = measure_codec(codec, data, probe, warm_start=warm)
         print(f"  {name}: done", file=sys.stderr)
     print(
         f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "

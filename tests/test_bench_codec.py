@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import diffusers_qvg as dq
-from diffusers_qvg.codec_quality import measure_codec, query_sample
+from diffusers_qvg.codec_quality import attention_probe, measure_codec, query_sample
 from diffusers_qvg.video_kv import VideoKVSpec, video_kv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,8 @@ TINY = VideoKVSpec(height=32, width=48, patch=8, heads=2, head_dim=16)
 
 
 def test_reference_format_measures_exactly_zero_error_at_16_bits():
-    r = measure_codec(dq.BF16Config(), video_kv(TINY, chunks=2), queries=16)
+    data = video_kv(TINY, chunks=2)
+    r = measure_codec(dq.BF16Config(), data, attention_probe(data, queries=16))
     assert r.bits_per_element == 16.0
     errors = (r.key_rel_l2, r.key_pre_rope_rel_l2, r.value_rel_l2, r.attention_error, r.sharp_attention_error)
     assert errors == (0.0,) * 5
