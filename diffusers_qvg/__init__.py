@@ -3,6 +3,7 @@
 from .codecs import (
     BF16Config,
     CodecConfig,
+    KIVIConfig,
     Packed,
     QVGConfig,
     QVGPacked,
@@ -17,6 +18,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BF16Config",
     "CodecConfig",
+    "KIVIConfig",
     "Packed",
     "QVGConfig",
     "QVGPacked",

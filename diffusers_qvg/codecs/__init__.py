@@ -6,6 +6,7 @@ import torch
 
 from .base import CodecConfig, Packed, Role, segment_table
 from .dense import BF16Config, DensePacked
+from .kivi import KIVIConfig, KIVIPacked
 from .qvg import QVGConfig, QVGPacked
 from .registry import PRESETS, resolve_codec
 
@@ -28,6 +29,8 @@ __all__ = [
     "BF16Config",
     "CodecConfig",
     "DensePacked",
+    "KIVIConfig",
+    "KIVIPacked",
     "PRESETS",
     "Packed",
     "QVGConfig",

@@ -92,8 +92,12 @@ class CodecConfig(ABC):
         num_slots: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        role: Role = "value",
     ) -> Packed:
-        """Preallocate storage for ``capacity_tokens`` tokens in ``num_slots`` segments."""
+        """Preallocate storage for ``capacity_tokens`` tokens in ``num_slots`` segments.
+
+        ``role`` matters only to formats whose layout differs for keys and values (KIVI).
+        """
 
     @abstractmethod
     def quantize_into(
@@ -131,6 +135,13 @@ class CodecConfig(ABC):
     def check_storage_fits(self, storage: Packed, x: torch.Tensor, token_start: int, slot: int) -> None:
         """Validate a ``quantize_into`` call before anything is written."""
         self.validate_input(x)
+        if storage.config != self:
+            raise ValueError(
+                f"this storage was allocated by {storage.config!r}, not by {self!r}; "
+                "quantize with the config that allocated it"
+            )
+        if x.dtype != storage.dtype:
+            raise ValueError(f"x has dtype {x.dtype} but the storage holds {storage.dtype}; cast x first")
         B, T, H, D = storage.shape
         b, n, h, d = x.shape
         if (b, h, d) != (B, H, D):
@@ -181,7 +192,7 @@ class CodecConfig(ABC):
         self.validate_input(x)
         B, N, H, D = x.shape
         storage = self.allocate(
-            batch=B, capacity_tokens=N, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=x.device
+            batch=B, capacity_tokens=N, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=x.device, role=role
         )
         self.quantize_into(storage, x, token_start=0, slot=0, role=role, warm_start=warm_start)
         return storage

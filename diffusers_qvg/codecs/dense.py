@@ -28,7 +28,7 @@ class BF16Config(CodecConfig):
 
     name: ClassVar[str] = "bf16"
 
-    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device) -> DensePacked:
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device, role="value") -> DensePacked:
         values = torch.zeros(batch, capacity_tokens, heads, head_dim, dtype=dtype, device=device)
         return DensePacked(self, (batch, capacity_tokens, heads, head_dim), dtype, num_slots, values)
 
@@ -44,8 +44,6 @@ class BF16Config(CodecConfig):
         warm_slot: int = 0,
     ) -> None:
         self.check_storage_fits(storage, x, token_start, slot)
-        if x.dtype != storage.dtype:
-            raise ValueError(f"x has dtype {x.dtype} but the storage holds {storage.dtype}; cast x first")
         storage.values[:, token_start : token_start + x.shape[1]].copy_(x)
 
     def dequantize_into(self, storage: DensePacked, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from .base import CodecConfig
 from .dense import BF16Config
+from .kivi import KIVIConfig
 from .qvg import QVGConfig
 
 PRESETS: dict[str, CodecConfig] = {
     "bf16": BF16Config(),
     "qvg-int2": QVGConfig(),
     "qvg-int4": QVGConfig(bits=4),
+    "qvg-int2-official": QVGConfig.official(),
+    "rtn-int2": QVGConfig.rtn(),
+    "rtn-int2-asym": QVGConfig.rtn(symmetric=False),
+    "rtn-int4": QVGConfig.rtn(bits=4),
+    "kivi-int2": KIVIConfig(),
 }
 
 

@@ -9,8 +9,10 @@ from typing import ClassVar, Literal
 import torch
 
 from ..base import CodecConfig, Packed, Role
+from ..groups import check_magnitude
 
 CentroidDType = Literal["e4m3", "bfloat16", "float16", "float32"]
+MAX_CENTROIDS = 2**15  # ids are stored as uint8 (K <= 256) or int16
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class QVGConfig(CodecConfig):
             ``"random"`` (the official uniform-with-replacement init, here on a private generator).
         stages: progressive residual stages (1 = QVG, 4 = QVG-Pro).
         centroid_dtype: stored centroid precision; ``"e4m3"`` carries a power-of-two scale per centroid
-            or per head (``centroid_scale``).
+            or per head (``centroid_scale``; per head by default: e4m3's own exponent covers the head's range,
+            and it saves 0.014 bits/element on a 4680-token chunk).
         seed: seeds the private generator used by the k-means init; the global RNG is never touched.
     """
 
@@ -53,7 +56,7 @@ class QVGConfig(CodecConfig):
     kmeans_init: Literal["kmeans++", "strided", "random"] = "kmeans++"
     stages: int = 1
     centroid_dtype: CentroidDType = "e4m3"
-    centroid_scale: Literal["centroid", "head"] = "centroid"
+    centroid_scale: Literal["centroid", "head"] = "head"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -72,8 +75,14 @@ class QVGConfig(CodecConfig):
             raise bad("scale_dtype", self.scale_dtype, "use 'e4m3' or 'fp16'")
         if self.scale_search not in ("mse", "absmax"):
             raise bad("scale_search", self.scale_search, "use 'mse' or 'absmax'")
-        if self.num_centroids is not None and (not isinstance(self.num_centroids, int) or self.num_centroids < 1):
-            raise bad("num_centroids", self.num_centroids, "use a positive integer (at most the tokens per segment)")
+        if self.num_centroids is not None and (
+            not isinstance(self.num_centroids, int) or not 1 <= self.num_centroids <= MAX_CENTROIDS
+        ):
+            raise bad(
+                "num_centroids", self.num_centroids, f"use an integer in [1, {MAX_CENTROIDS}] (at most the tokens per segment)"
+            )
+        if not isinstance(self.seed, int):
+            raise bad("seed", self.seed, "use an integer")
         if not isinstance(self.kmeans_iters, int) or self.kmeans_iters < 0:
             raise bad("kmeans_iters", self.kmeans_iters, "use 0 or more Lloyd iterations")
         if self.kmeans_init not in ("kmeans++", "strided", "random"):
@@ -96,6 +105,17 @@ class QVGConfig(CodecConfig):
             kmeans_iters=2,
             kmeans_init="random",
             centroid_dtype="bfloat16",
+        )
+
+    @classmethod
+    def rtn(cls, bits: int = 2, symmetric: bool = True, group_size: int = 64) -> "QVGConfig":
+        """Round-to-nearest baseline: no k-means (``stages=0``), absmax fp16 scales per token group.
+
+        Symmetric INT2 is ternary (as in QVG's own residual); codes are packed ``8 // bits`` per byte.
+        """
+        return cls(
+            bits=bits, symmetric=symmetric, packing="bits", group_size=group_size, scale_dtype="fp16",
+            scale_search="absmax", stages=0,
         )
 
     # Derived quantities, one definition each.
@@ -148,6 +168,7 @@ class QVGConfig(CodecConfig):
             raise ValueError(
                 f"head_dim {D} is not divisible by group_size {self.group_size}; pick a group_size that divides it"
             )
+        check_magnitude(x, what)
         if self.stages and self.centroids > x.shape[1]:
             raise ValueError(
                 f"num_centroids {self.centroids} exceeds the {x.shape[1]} tokens of the segment; "
@@ -155,7 +176,7 @@ class QVGConfig(CodecConfig):
             )
 
     # The codec verbs live beside the format they read and write.
-    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device) -> Packed:
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device, role="value") -> Packed:
         from .format import allocate_qvg
 
         return allocate_qvg(self, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device)

@@ -8,7 +8,16 @@ from __future__ import annotations
 import torch
 
 from ...rotary import apply_wan_rotary, compute_dtype_for
+from ..groups import dequantize_groups
 from .format import QVGPacked, unpack_codes
+
+
+def decode_centroids(values: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Stored centroids [..., K, D] (times their power-of-two scales [..., K or 1], if any) in ``dtype``."""
+    table = values.to(dtype)
+    if scales is not None:
+        table = table * scales.to(dtype).unsqueeze(-1)
+    return table
 
 
 def decode_tokens(storage: QVGPacked, src: int, length: int, slot: int) -> torch.Tensor:
@@ -18,19 +27,20 @@ def decode_tokens(storage: QVGPacked, src: int, length: int, slot: int) -> torch
     f = compute_dtype_for(storage.dtype)
     tokens = slice(src, src + length)
 
-    u = unpack_codes(storage.codes[:, tokens], cfg)  # [B, n, H, G, gs]
-    level = (u - cfg.qmax if cfg.symmetric else u).to(f)
-    shift = storage.scale_shift[slot].to(f).view(B, 1, H, 1, 1)
-    r = level * (storage.scales[:, tokens].to(f).unsqueeze(-1) * shift)
-    if storage.zeros is not None:
-        r = r + storage.zeros[:, tokens].to(f).unsqueeze(-1) * shift
-    r = r.flatten(-2)  # [B, n, H, D]
+    r = dequantize_groups(
+        unpack_codes(storage.codes[:, tokens], cfg),  # [B, n, H, G, gs]
+        storage.scales[:, tokens],
+        None if storage.zeros is None else storage.zeros[:, tokens],
+        storage.scale_shift[slot].view(B, 1, H, 1),
+        qmax=cfg.qmax,
+        symmetric=cfg.symmetric,
+        dtype=f,
+    ).flatten(-2)  # [B, n, H, D]
 
     c = torch.zeros_like(r)
     for t in range(cfg.stages):
-        table = storage.centroids[slot, t].to(f)  # [B, H, K, D]
-        if storage.centroid_scales is not None:
-            table = table * storage.centroid_scales[slot, t].to(f).unsqueeze(-1)
+        scales = None if storage.centroid_scales is None else storage.centroid_scales[slot, t]
+        table = decode_centroids(storage.centroids[slot, t], scales, f)  # [B, H, K, D]
         ids = storage.ids[:, tokens, :, t].long()  # [B, n, H]
         index = ids.permute(0, 2, 1).unsqueeze(-1).expand(B, H, length, D)
         c = c + torch.gather(table, 2, index).permute(0, 2, 1, 3)

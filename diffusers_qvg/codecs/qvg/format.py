@@ -96,37 +96,39 @@ def allocate_qvg(
     )
 
 
-_TRIT_WEIGHTS = (81, 27, 9, 3, 1)
+def _digit_weights(base: int, per_byte: int, device: torch.device) -> torch.Tensor:
+    """Place values of the digits in one byte, most significant first: ``base^(per_byte - 1 - j)``."""
+    return torch.tensor([base ** (per_byte - 1 - j) for j in range(per_byte)], dtype=torch.int32, device=device)
+
+
+def pack_digits(u: torch.Tensor, base: int, per_byte: int) -> torch.Tensor:
+    """Pack codes ``u`` [..., n] (ints in [0, base)) ``per_byte`` to a byte, first code most significant,
+    the last byte padded with ``u = 0``: uint8 [..., ceil(n / per_byte)]. ``base = 2^bits`` gives MSB-first
+    bit fields (``u0<<6|u1<<4|u2<<2|u3``), ``base = 3`` base-3 trits."""
+    n = u.shape[-1]
+    pad = -n % per_byte
+    u = u.to(torch.int32)
+    if pad:
+        u = torch.cat([u, u.new_zeros(*u.shape[:-1], pad)], dim=-1)
+    u = u.unflatten(-1, (-1, per_byte))
+    return (u * _digit_weights(base, per_byte, u.device)).sum(-1).to(torch.uint8)
+
+
+def unpack_digits(codes: torch.Tensor, base: int, per_byte: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack_digits`: uint8 [..., bytes] -> int32 codes [..., n]."""
+    digits = (codes.to(torch.int32).unsqueeze(-1) // _digit_weights(base, per_byte, codes.device)) % base
+    return digits.flatten(-2)[..., :n]
+
+
+def _digits(config: QVGConfig) -> tuple[int, int]:
+    return (3, 5) if config.trits else (2**config.bits, 8 // config.bits)
 
 
 def pack_codes(u: torch.Tensor, config: QVGConfig) -> torch.Tensor:
     """Pack unsigned codes ``u`` [..., G, group_size] (ints in [0, 2^bits)) to uint8 [..., G * Cg]."""
-    *lead, G, gs = u.shape
-    u = u.to(torch.int32)
-    per_byte = 5 if config.trits else 8 // config.bits
-    pad = config.group_code_bytes * per_byte - gs
-    if pad:
-        u = torch.cat([u, u.new_zeros(*lead, G, pad)], dim=-1)
-    u = u.unflatten(-1, (config.group_code_bytes, per_byte))
-    if config.trits:
-        weights = torch.tensor(_TRIT_WEIGHTS, dtype=torch.int32, device=u.device)
-    else:
-        weights = torch.tensor(
-            [1 << (config.bits * (per_byte - 1 - j)) for j in range(per_byte)], dtype=torch.int32, device=u.device
-        )
-    return (u * weights).sum(-1).to(torch.uint8).flatten(-2)
+    return pack_digits(u, *_digits(config)).flatten(-2)
 
 
 def unpack_codes(codes: torch.Tensor, config: QVGConfig) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 [..., G * Cg] -> int32 codes [..., G, group_size]."""
-    b = codes.to(torch.int32).unflatten(-1, (-1, config.group_code_bytes)).unsqueeze(-1)
-    if config.trits:
-        weights = torch.tensor(_TRIT_WEIGHTS, dtype=torch.int32, device=codes.device)
-        u = (b // weights) % 3
-    else:
-        per_byte = 8 // config.bits
-        shifts = torch.tensor(
-            [config.bits * (per_byte - 1 - j) for j in range(per_byte)], dtype=torch.int32, device=codes.device
-        )
-        u = (b >> shifts) & ((1 << config.bits) - 1)
-    return u.flatten(-2)[..., : config.group_size]
+    return unpack_digits(codes.unflatten(-1, (-1, config.group_code_bytes)), *_digits(config), config.group_size)

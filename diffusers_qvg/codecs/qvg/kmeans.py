@@ -1,0 +1,97 @@
+"""Batched Euclidean k-means for QVG: deterministic inits, Lloyd iterations via flash-kmeans, assignment.
+
+Points come as ``x`` [P, N, D] (P = batch * heads problems of N points each). Every random draw uses the
+caller's ``torch.Generator``; the global RNG is never touched (flash-kmeans itself would draw its init
+from the global RNG, so we always pass ``init_centroids``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+KMeansInit = Literal["kmeans++", "strided", "random"]
+
+
+def squared_distances(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """``|x - c|^2`` [P, N, K] for ``x`` [P, N, D] (``x_sq`` its squared norms [P, N, 1]) and ``centroids``
+    [P, K, D], clamped at 0."""
+    c_sq = centroids.square().sum(-1).unsqueeze(1)
+    return torch.baddbmm(x_sq + c_sq, x, centroids.transpose(1, 2), alpha=-2).clamp_min_(0)
+
+
+def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """Index [P, N] (int64) of each point's nearest centroid; ties go to the lower index.
+
+    Uses ``|c|^2 - 2 x.c`` (the point's own norm does not change the argmin and only adds rounding).
+    """
+    score = centroids.square().sum(-1).unsqueeze(1) - 2 * torch.bmm(x, centroids.transpose(1, 2))
+    return score.argmin(-1)
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``table[p, index[p, n]]`` for ``table`` [P, K, D] and ``index`` [P, N] -> [P, N, D]."""
+    return torch.gather(table, 1, index.unsqueeze(-1).expand(-1, -1, table.shape[-1]))
+
+
+def kmeans_init(x: torch.Tensor, num_centroids: int, method: KMeansInit, generator: torch.Generator) -> torch.Tensor:
+    """Initial centroids [P, K, D] drawn from the points of ``x`` [P, N, D].
+
+    ``"strided"`` takes tokens ``floor(i * N / K)`` (free, no randomness); ``"random"`` draws tokens
+    uniformly with replacement (the official init, here seeded); ``"kmeans++"`` is greedy D^2 sampling.
+    """
+    P, N, _ = x.shape
+    if method == "strided":
+        index = (torch.arange(num_centroids, device=x.device) * N // num_centroids).expand(P, -1)
+        return gather_rows(x, index)
+    if method == "random":
+        return gather_rows(x, torch.randint(0, N, (P, num_centroids), device=x.device, generator=generator))
+    if method == "kmeans++":
+        return _greedy_kmeans_plusplus(x, num_centroids, generator)
+    raise ValueError(f"unknown k-means init {method!r}; use 'kmeans++', 'strided' or 'random'")
+
+
+def _greedy_kmeans_plusplus(x: torch.Tensor, num_centroids: int, generator: torch.Generator) -> torch.Tensor:
+    """Greedy k-means++ (Arthur & Vassilvitskii; scikit-learn's default): each step draws
+    ``2 + floor(ln K)`` candidates with probability proportional to D^2 and keeps the one that lowers the
+    total D^2 most. Sampling is by inverse CDF (``searchsorted``), so it needs no host sync.
+    """
+    P, N, D = x.shape
+    trials = 2 + int(math.log(num_centroids))
+    rows = torch.arange(P, device=x.device)
+    centroids = x.new_empty(P, num_centroids, D)
+    first = torch.randint(0, N, (P,), device=x.device, generator=generator)
+    centroids[:, 0] = x[rows, first]
+    x_sq = x.square().sum(-1, keepdim=True)
+    closest = squared_distances(x, x_sq, centroids[:, :1]).squeeze(-1)  # [P, N]
+    for k in range(1, num_centroids):
+        cdf = closest.cumsum(-1)
+        target = torch.rand(P, trials, device=x.device, dtype=x.dtype, generator=generator) * cdf[:, -1:]
+        candidates = torch.searchsorted(cdf, target, right=True).clamp_max_(N - 1)  # [P, trials]
+        points = gather_rows(x, candidates)  # [P, trials, D]
+        reduced = torch.minimum(closest.unsqueeze(-1), squared_distances(x, x_sq, points))  # [P, N, trials]
+        best = reduced.sum(1).argmin(-1)  # [P]
+        centroids[:, k] = points[rows, best]
+        closest = reduced[rows, :, best]
+    return centroids
+
+
+def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int) -> torch.Tensor:
+    """Run ``iters`` Lloyd iterations from ``centroids`` [P, K, D]; empty clusters keep their centroid.
+
+    CUDA float32/16: flash-kmeans' Triton ``batch_kmeans_Euclid``. It checks ``shift < tol`` on the host
+    after every iteration (one sync per iteration) and accumulates centroid sums with float32 atomics, so
+    GPU results can differ in the last bits between runs. Elsewhere (CPU, float64): flash-kmeans' torch
+    fallback, deterministic; it keeps distances and centroid sums in float32 even for float64 input.
+    """
+    if iters == 0:
+        return centroids
+    P, K, D = centroids.shape
+    if x.is_cuda and x.dtype != torch.float64:
+        from flash_kmeans import batch_kmeans_Euclid as run
+    else:
+        from flash_kmeans.torch_fallback import batch_kmeans_Euclid_torch_native as run
+    _, result, _ = run(x.contiguous(), K, max_iters=iters, tol=0.0, init_centroids=centroids.contiguous())
+    return result.to(x.dtype)
