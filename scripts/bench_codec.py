@@ -27,14 +27,13 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
     official = dq.QVGConfig.official()
     rows = {name: (dq.resolve_codec(name), False) for name in PRESETS}
     rows |= {
-        "official-int2": (official, False),
-        "official-int4": (dq.QVGConfig.official(bits=4), False),
-        "official+mse-scales": (official.with_(scale_search="mse"), False),
-        "official+trits": (official.with_(packing="auto"), False),
-        "qvg-int2 bf16-centroids": (dq.QVGConfig(centroid_dtype="bfloat16"), False),
-        "qvg-int2 strided-init": (dq.QVGConfig(kmeans_init="strided"), False),
+        "qvg-int4-official": (dq.QVGConfig.official(bits=4), False),
+        "official + mse scales": (official.with_(scale_search="mse"), False),
+        "official + trits": (official.with_(packing="auto"), False),
+        "qvg-int2 bf16 centroids": (dq.QVGConfig(centroid_dtype="bfloat16"), False),
+        "qvg-int2 strided init": (dq.QVGConfig(kmeans_init="strided"), False),
         "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
-        "qvg-int2 warm-start": (dq.QVGConfig(), True),
+        "qvg-int2 warm start": (dq.QVGConfig(), True),
     }
     return rows
 
