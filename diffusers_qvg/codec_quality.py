@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from .codecs import CodecConfig, Packed, dequantize, quantize
-from .metrics import attention, attention_error, rel_l2
+from .metrics import attention, rel_l2
 from .rotary import apply_wan_rotary
 from .video_kv import VideoKV
 
@@ -74,9 +74,22 @@ def query_sample(data: VideoKV, queries: int) -> torch.Tensor:
     return data.query[:, index]
 
 
-def measure_codec(
-    codec: CodecConfig, data: VideoKV, *, queries: int = 256, sharpness: float = 4.0, warm_start: bool = False
-) -> CodecQuality:
+@dataclass(frozen=True)
+class AttentionProbe:
+    """Queries of the newest chunk, ordinary and sharp, with their exact attention outputs (shared by all codecs)."""
+
+    queries: dict[str, torch.Tensor]  # "ordinary" / "sharp" -> [1, q, heads, head_dim] float32
+    references: dict[str, torch.Tensor]
+
+
+def attention_probe(data: VideoKV, queries: int = 256, sharpness: float = 4.0) -> AttentionProbe:
+    q = query_sample(data, queries).float()
+    scaled = {"ordinary": q, "sharp": q * sharpness}
+    key, value = data.key.float(), data.value.float()
+    return AttentionProbe(scaled, {kind: attention(x, key, value) for kind, x in scaled.items()})
+
+
+def measure_codec(codec: CodecConfig, data: VideoKV, probe: AttentionProbe, *, warm_start: bool = False) -> CodecQuality:
     """Pack ``data`` chunk by chunk with ``codec`` and measure it (see :class:`CodecQuality`).
 
     ``warm_start`` seeds each chunk's codec parameters from the previous chunk's (QVG's centroid caching).
@@ -85,35 +98,31 @@ def measure_codec(
     key_hat, key_bytes = _pack_chunks(codec, data.key, data, "key", warm_start, times)
     pre_hat, _ = _pack_chunks(codec, data.key_pre_rope, data, "key", warm_start, times)
     value_hat, value_bytes = _pack_chunks(codec, data.value, data, "value", warm_start, times)
-
     key_pre_rotated = apply_wan_rotary(pre_hat, data.cos, data.sin)  # as the cache's read path rotates
+
     current = data.chunk(data.num_chunks - 1)
 
     def read(exact: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
         """The cache's view: older chunks decoded, the current chunk exact."""
-        view = decoded.float().clone()
+        view = decoded.to(torch.float32, copy=True)
         view[:, current] = exact[:, current].float()
         return view
 
-    q = query_sample(data, queries)
-    key, value = data.key.float(), data.value.float()
-    keys_read = {"post": read(key, key_hat), "pre": read(key, key_pre_rotated)}
-    value_read = read(value, value_hat)
-    errors = {}
-    for scale in (1.0, sharpness):
-        reference = attention(q * scale, key, value)
-        for kind, key_read in keys_read.items():
-            errors[kind, scale] = attention_error(q * scale, key, value, key_read, value_read, reference)
-
+    value_read = read(data.value, value_hat)
+    errors = {
+        (rope, kind): rel_l2(probe.references[kind], attention(probe.queries[kind], read(data.key, keys), value_read))
+        for rope, keys in (("post", key_hat), ("pre", key_pre_rotated))
+        for kind in ("ordinary", "sharp")
+    }
     return CodecQuality(
         bits_per_element=8.0 * (key_bytes + value_bytes) / (data.key.numel() + data.value.numel()),
         key_rel_l2=rel_l2(data.key, key_hat),
         key_pre_rope_rel_l2=rel_l2(data.key, key_pre_rotated),
         value_rel_l2=rel_l2(data.value, value_hat),
-        attention_error=errors["post", 1.0],
-        sharp_attention_error=errors["post", sharpness],
-        attention_error_pre_rope=errors["pre", 1.0],
-        sharp_attention_error_pre_rope=errors["pre", sharpness],
+        attention_error=errors["post", "ordinary"],
+        sharp_attention_error=errors["post", "sharp"],
+        attention_error_pre_rope=errors["pre", "ordinary"],
+        sharp_attention_error_pre_rope=errors["pre", "sharp"],
         quantize_ms=_warm_median_ms(times["quantize"]),
         dequantize_ms=_warm_median_ms(times["dequantize"]),
     )

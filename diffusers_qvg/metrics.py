@@ -22,19 +22,3 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> to
     q, k, v = (t.float().transpose(1, 2) for t in (query, key, value))
     return F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
 
-
-def attention_error(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_approx: torch.Tensor,
-    value_approx: torch.Tensor,
-    reference: torch.Tensor | None = None,
-) -> float:
-    """relL2 of the attention output when reading ``key_approx``/``value_approx`` instead of the exact ones.
-
-    ``reference`` (``attention(query, key, value)``) may be passed when many codecs share it.
-    """
-    if reference is None:
-        reference = attention(query, key, value)
-    return rel_l2(reference, attention(query, key_approx, value_approx))

@@ -43,6 +43,7 @@ import torch
 from .rotary import apply_wan_rotary
 
 DEFAULT_CLIPS = ("bigbuckbunny.mp4", "bikes.mp4", "carphone_pristine.mp4")
+_DECODE_STEP = 64  # frames decoded per request beyond what is cached
 
 
 @dataclass(frozen=True)
@@ -139,8 +140,9 @@ def clip_paths(names: tuple[str, ...] = DEFAULT_CLIPS) -> list[Path]:
 
 
 @functools.lru_cache(maxsize=4)
-def _decode_clip(path: Path, height: int, width: int) -> np.ndarray:
-    """All frames of one clip as uint8 [frames, height, width, 3], scaled to cover and centre-cropped."""
+def _decode_clip(path: Path, height: int, width: int, max_frames: int) -> np.ndarray:
+    """The first ``max_frames`` frames of a clip (fewer if it is shorter) as uint8 [frames, height, width, 3],
+    scaled to cover ``height x width`` and centre-cropped."""
     import imageio_ffmpeg
 
     scale = f"scale={width}:{height}:force_original_aspect_ratio=increase,crop={width}:{height}"
@@ -148,7 +150,7 @@ def _decode_clip(path: Path, height: int, width: int) -> np.ndarray:
     level = log.level
     log.setLevel(logging.ERROR)  # it warns whenever the output size differs from the source: intended here
     try:
-        reader = imageio_ffmpeg.read_frames(str(path), output_params=["-vf", scale])
+        reader = imageio_ffmpeg.read_frames(str(path), output_params=["-vf", scale, "-frames:v", str(max_frames)])
         meta = next(reader)
     finally:
         log.setLevel(level)
@@ -163,18 +165,18 @@ def _decode_clip(path: Path, height: int, width: int) -> np.ndarray:
 def load_frames(start: int, count: int, height: int, width: int, clips: tuple[str, ...] = DEFAULT_CLIPS) -> torch.Tensor:
     """Video frames ``[start, start + count)`` of the clips played back to back (cyclically), uint8 [count, H, W, 3].
 
-    Only the clips the range touches are decoded; decoded clips are cached in memory (a few per process).
+    Only the clips, and the leading frames of a clip, that the range touches are decoded (in steps of
+    ``_DECODE_STEP`` frames); decoded frames are cached in memory, so many windows decode each clip once.
     """
     paths = clip_paths(clips)
     out = []
     position, index = start, 0  # `position` is relative to the start of clip `index`
     while len(out) < count:
-        frames = _decode_clip(paths[index % len(paths)], height, width)
-        if position < len(frames):
-            take = frames[position : position + count - len(out)]
-            out.extend(take)
-            position += len(take)
-        position -= len(frames)
+        limit = -(-(position + count - len(out)) // _DECODE_STEP) * _DECODE_STEP
+        frames = _decode_clip(paths[index % len(paths)], height, width, limit)
+        take = frames[position : position + count - len(out)]
+        out.extend(take)
+        position = max(position - len(frames), 0)
         index += 1
     return torch.from_numpy(np.stack(out))
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 import diffusers_qvg as dq
-from diffusers_qvg.codec_quality import CodecQuality, measure_codec
+from diffusers_qvg.codec_quality import CodecQuality, attention_probe, measure_codec
 from diffusers_qvg.codecs import PRESETS
 from diffusers_qvg.video_kv import VideoKVSpec, video_kv
 
@@ -27,14 +27,13 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
     official = dq.QVGConfig.official()
     rows = {name: (dq.resolve_codec(name), False) for name in PRESETS}
     rows |= {
-        "official-int2": (official, False),
-        "official-int4": (dq.QVGConfig.official(bits=4), False),
-        "official+mse-scales": (official.with_(scale_search="mse"), False),
-        "official+trits": (official.with_(packing="auto"), False),
-        "qvg-int2 bf16-centroids": (dq.QVGConfig(centroid_dtype="bfloat16"), False),
-        "qvg-int2 strided-init": (dq.QVGConfig(kmeans_init="strided"), False),
+        "qvg-int4-official": (dq.QVGConfig.official(bits=4), False),
+        "official + mse scales": (official.with_(scale_search="mse"), False),
+        "official + trits": (official.with_(packing="auto"), False),
+        "qvg-int2 bf16 centroids": (dq.QVGConfig(centroid_dtype="bfloat16"), False),
+        "qvg-int2 strided init": (dq.QVGConfig(kmeans_init="strided"), False),
         "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
-        "qvg-int2 warm-start": (dq.QVGConfig(), True),
+        "qvg-int2 warm start": (dq.QVGConfig(), True),
     }
     return rows
 
@@ -79,11 +78,12 @@ def main(argv: list[str] | None = None) -> None:
         f"{spec.heads} heads x {spec.head_dim}, clips {', '.join(spec.clips)}; built in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,
     )
+    probe = attention_probe(data, queries, args.sharpness)
     results = {}
     for name, (codec, warm) in rows.items():
         if args.only and name not in args.only:
             continue
-        results[name] = measure_codec(codec, data, queries=queries, sharpness=args.sharpness, warm_start=warm)
+        results[name] = measure_codec(codec, data, probe, warm_start=warm)
         print(f"  {name}: done", file=sys.stderr)
     print(
         f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "

