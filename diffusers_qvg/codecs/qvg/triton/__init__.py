@@ -13,15 +13,18 @@ def check_runnable(*tensors: torch.Tensor) -> None:
     if len(devices) != 1:
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}; move them first")
     device = devices.pop()
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type != "cuda" and not INTERPRETING:
         raise ValueError(
             f"the Triton QVG kernels need CUDA tensors (got {device}); on CPU use the torch backend, or set "
             "TRITON_INTERPRET=1 before importing diffusers_qvg to run them in Triton's interpreter"
         )
 
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read as Triton reads it when the kernels are defined
+
+
 def as_bits(t: torch.Tensor) -> torch.Tensor:
-    """fp8 tensors travel as their uint8 bits, decoded and encoded exactly by :mod:`.numerics` on every backend."""
+    """fp8 tensors the kernels write travel as their uint8 bits, encoded exactly by :mod:`.numerics`."""
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .numerics import load_f32
 
 
 @triton.jit
@@ -13,7 +12,7 @@ def stage_centroids(
     t, cols, mask, row_mask, id_rows, table_rows,
     ids_ptr, cent_ptr, cscale_ptr,
     s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows,
-    CENT_E4M3: tl.constexpr, CENT_SCALED: tl.constexpr,
+    CENT_SCALED: tl.constexpr,
 ):
     """``float(centroids[slot, t, b, h, ids[t]]) * centroid_scale`` for rows whose id offsets are ``id_rows``.
 
@@ -21,7 +20,8 @@ def stage_centroids(
     """
     ids = tl.load(ids_ptr + id_rows + t * s_ids_s, mask=row_mask, other=0).to(tl.int64)
     cent_rows = table_rows + t * s_cent_stage + ids * s_cent_k
-    term = load_f32(cent_ptr, cent_rows[:, None] + (cols * s_cent_d)[None, :], mask, CENT_E4M3)
+    # No `other=` (it cannot be cast to fp8); masked lanes are zeroed after the widening instead.
+    term = tl.where(mask, tl.load(cent_ptr + cent_rows[:, None] + (cols * s_cent_d)[None, :], mask=mask).to(tl.float32), 0.0)
     if CENT_SCALED:
         term = term * tl.load(cscale_ptr + cscale_rows + t * s_cscale_stage + ids * s_cscale_k, mask=row_mask, other=0)[:, None]
     return term

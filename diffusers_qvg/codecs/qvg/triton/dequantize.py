@@ -12,20 +12,18 @@ bit-identical to :func:`..decode.dequantize_into`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ..format import QVGPacked
-from . import as_bits, centroid_scale_operand, check_runnable
+from . import INTERPRETING, centroid_scale_operand, check_runnable
 from .centroids import stage_centroids
-from .numerics import cast_exact, load_f32
+from .numerics import cast_exact
 
 # 8 rows x 128 channels per program keeps the kernel at ~60 registers on sm_90 (no spills; 16 rows need 145,
 # 64 rows spill); the interpreter, where only the per-program overhead counts, takes bigger tiles.
-BLOCK_ROWS = 32 if os.environ.get("TRITON_INTERPRET") == "1" else 8
+BLOCK_ROWS = 32 if INTERPRETING else 8
 
 
 @triton.jit
@@ -44,9 +42,8 @@ def _dequantize_kernel(
     s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
     s_shift_slot, s_shift_b, s_shift_h,
     D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BITS: tl.constexpr,
-    TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
-    STAGES: tl.constexpr, CENT_E4M3: tl.constexpr, CENT_SCALED: tl.constexpr, ROTARY: tl.constexpr,
-    BLOCK: tl.constexpr,
+    TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, STAGES: tl.constexpr,
+    CENT_SCALED: tl.constexpr, ROTARY: tl.constexpr, SOFTWARE_BF16: tl.constexpr, BLOCK: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = tl.program_id(1).to(tl.int64)
@@ -95,11 +92,12 @@ def _dequantize_kernel(
         level = u.to(tl.float32)
     shift = tl.load(shift_ptr + slot * s_shift_slot + b * s_shift_b + h * s_shift_h, mask=row_mask, other=0)[:, None]
     scale_rows = b * s_scales_b + src * s_scales_t + h * s_scales_h
-    scale = load_f32(scales_ptr, scale_rows[:, None] + (group * s_scales_g)[None, :], mask, SCALE_E4M3)
+    scale = tl.load(scales_ptr + scale_rows[:, None] + (group * s_scales_g)[None, :], mask=mask).to(tl.float32)
     x = level * (scale * shift)
     if not SYMMETRIC:
         zero_rows = b * s_zeros_b + src * s_zeros_t + h * s_zeros_h
-        x = x + load_f32(zeros_ptr, zero_rows[:, None] + (group * s_zeros_g)[None, :], mask, SCALE_E4M3) * shift
+        zero = tl.load(zeros_ptr + zero_rows[:, None] + (group * s_zeros_g)[None, :], mask=mask).to(tl.float32)
+        x = x + zero * shift
 
     # Centroids: summed from 0.0 stage by stage, then added, exactly as the reference orders it.
     c = tl.zeros([BLOCK, D_PAD], tl.float32)
@@ -109,7 +107,7 @@ def _dequantize_kernel(
     for t in tl.static_range(STAGES):
         c = c + stage_centroids(
             t, cols, mask, row_mask, id_rows, table_rows, ids_ptr, cent_ptr, cscale_ptr,
-            s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows, CENT_E4M3, CENT_SCALED,
+            s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows, CENT_SCALED,
         )
     x = x + c
 
@@ -122,7 +120,7 @@ def _dequantize_kernel(
         x = tl.reshape(tl.join(x1 * c_even - x2 * s_odd, x1 * s_odd + x2 * c_even), (BLOCK, D_PAD))
 
     out_rows = b * s_out_b + dst * s_out_t + h * s_out_h
-    tl.store(out_ptr + out_rows[:, None] + (cols * s_out_d)[None, :], cast_exact(x, out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_rows[:, None] + (cols * s_out_d)[None, :], cast_exact(x, out_ptr.dtype.element_ty, SOFTWARE_BF16), mask=mask)
 
 
 def dequantize_into(
@@ -154,15 +152,15 @@ def dequantize_into(
     grid = (triton.cdiv(num_rows, BLOCK_ROWS), B)
     _dequantize_kernel[grid](
         out, segments, cos, sin,
-        storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids, as_bits(storage.centroids), cscale,
+        storage.codes, storage.scales, zeros, storage.ids, storage.centroids, cscale,
         storage.scale_shift,
         len(segments), num_rows, H,
         *out.stride(), *segments.stride(), cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3),
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
         *storage.centroids.stride(), *cscale_strides, *storage.scale_shift.stride(),
         D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes, BITS=cfg.bits,
-        TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax, SCALE_E4M3=cfg.scale_dtype == "e4m3",
-        STAGES=cfg.stages, CENT_E4M3=cfg.centroid_dtype == "e4m3", CENT_SCALED=storage.centroid_scales is not None,
-        ROTARY=rotary is not None, BLOCK=BLOCK_ROWS,
+        TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax, STAGES=cfg.stages,
+        CENT_SCALED=storage.centroid_scales is not None, ROTARY=rotary is not None, SOFTWARE_BF16=INTERPRETING,
+        BLOCK=BLOCK_ROWS,
         enable_fp_fusion=False,
     )

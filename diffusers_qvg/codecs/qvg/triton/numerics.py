@@ -1,9 +1,10 @@
 """Exact float formats by integer arithmetic, shared by the QVG kernels.
 
-Triton's own conversions differ between backends (the CPU interpreter truncates to bfloat16 and rounds
-e4m3 its own way; GPUs saturate), so every rounding the format contract names is spelled out here with
-integer bit operations and power-of-two products: the results are the same on every backend and equal to
-PyTorch's casts for the finite, in-range values the codec produces.
+Triton's own rounding conversions differ between backends (the CPU interpreter truncates to bfloat16 and
+rounds e4m3 its own way; GPUs saturate), so every rounding the format contract names is spelled out here
+with integer bit operations and power-of-two products: the results are the same on every backend and equal
+to PyTorch's casts for the finite, in-range values the codec produces. Widening conversions (e4m3, fp16,
+bf16 to float32) are exact everywhere and use Triton's own.
 """
 
 from __future__ import annotations
@@ -31,28 +32,12 @@ def rint(v):
 
 
 @triton.jit
-def e4m3_to_f32(bits):
-    """Decode float8_e4m3fn bit patterns (any integer dtype) to float32; NaN patterns are not produced."""
-    bits = bits.to(tl.int32)
-    field = (bits >> 3) & 15
-    mantissa = bits & 7
-    normal = (mantissa + 8).to(tl.float32) * pow2(tl.maximum(field, 1) - 10)
-    magnitude = tl.where(field == 0, mantissa.to(tl.float32) * 0.001953125, normal)
-    return tl.where((bits & 128) != 0, -magnitude, magnitude)
-
-
-@triton.jit
-def load_f32(ptr, offsets, mask, E4M3: tl.constexpr):
-    """Load values as float32; with ``E4M3`` the pointer holds float8_e4m3fn bits (see :func:`as_bits`)."""
-    if E4M3:
-        return e4m3_to_f32(tl.load(ptr + offsets, mask=mask, other=0))
-    else:
-        return tl.load(ptr + offsets, mask=mask, other=0).to(tl.float32)
-
-
-@triton.jit
 def f32_to_e4m3(v):
-    """Encode a float32 that is exactly representable in e4m3 (see :func:`round_to_format`) as its bits (int32)."""
+    """Encode a float32 that is exactly representable in e4m3 (see :func:`round_to_format`) as its bits (int32).
+
+    Only encoding needs this: decoding e4m3 with ``.to(tl.float32)`` is exact on every backend (the patterns
+    0x7F/0xFF, NaN in PyTorch, which the encoder never writes, are the one exception in the interpreter).
+    """
     sign = tl.where(v.to(tl.int32, bitcast=True) < 0, 128, 0)
     a = tl.abs(v)
     e = tl.maximum(exponent(a), -6)
@@ -88,9 +73,10 @@ def round_to_bf16(v):
 
 
 @triton.jit
-def cast_exact(v, dtype: tl.constexpr):
-    """float32 -> ``dtype`` with round-to-nearest-even on every backend."""
-    if dtype == tl.bfloat16:
+def cast_exact(v, dtype: tl.constexpr, SOFTWARE_BF16: tl.constexpr):
+    """float32 -> ``dtype`` with round-to-nearest-even: GPUs' ``cvt.rn`` does it; the interpreter truncates to
+    bfloat16, so there (``SOFTWARE_BF16``) the rounding is done in integer arithmetic first."""
+    if SOFTWARE_BF16 and dtype == tl.bfloat16:
         return round_to_bf16(v).to(dtype)
     else:
         return v.to(dtype)

@@ -37,7 +37,7 @@ def _residual(
     s_ids_b, s_ids_t, s_ids_h, s_ids_s,
     s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
     s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
-    D: tl.constexpr, D_PAD: tl.constexpr, STAGES: tl.constexpr, CENT_E4M3: tl.constexpr, CENT_SCALED: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr,
 ):
     """r = ((x - C_0[id_0]) - C_1[id_1]) - ... in float32 for ``tokens`` of head (b, h): [BLOCK, D_PAD]."""
     cols = tl.arange(0, D_PAD)
@@ -52,7 +52,7 @@ def _residual(
     for t in tl.static_range(STAGES):
         r = r - stage_centroids(
             t, cols, mask, row_mask, id_rows, table_rows, ids_ptr, cent_ptr, cscale_ptr,
-            s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows, CENT_E4M3, CENT_SCALED,
+            s_ids_s, s_cent_stage, s_cent_k, s_cent_d, s_cscale_stage, s_cscale_k, cscale_rows, CENT_SCALED,
         )
     return r
 
@@ -78,8 +78,7 @@ def _head_extent_kernel(
     s_ids_b, s_ids_t, s_ids_h, s_ids_s,
     s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
     s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
-    D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, CENT_E4M3: tl.constexpr,
-    CENT_SCALED: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = tl.program_id(1) // heads
@@ -90,7 +89,7 @@ def _head_extent_kernel(
         s_x_b, s_x_t, s_x_h, s_x_d, s_ids_b, s_ids_t, s_ids_h, s_ids_s,
         s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
         s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
-        D, D_PAD, STAGES, CENT_E4M3, CENT_SCALED,
+        D, D_PAD, STAGES, CENT_SCALED,
     )
     G_PAD: tl.constexpr = D_PAD // GROUP
     _, _, need = _group_needs(r, BLOCK, G_PAD, GROUP, SYMMETRIC, QMAX)
@@ -122,7 +121,7 @@ def _residual_codes_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BITS: tl.constexpr,
     TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
     FMT_MAX: tl.constexpr, CANDIDATES: tl.constexpr,
-    STAGES: tl.constexpr, CENT_E4M3: tl.constexpr, CENT_SCALED: tl.constexpr, BLOCK: tl.constexpr,
+    STAGES: tl.constexpr, CENT_SCALED: tl.constexpr, BLOCK: tl.constexpr,
 ):
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     b = (tl.program_id(1) // heads).to(tl.int64)
@@ -133,7 +132,7 @@ def _residual_codes_kernel(
         s_x_b, s_x_t, s_x_h, s_x_d, s_ids_b, s_ids_t, s_ids_h, s_ids_s,
         s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
         s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
-        D, D_PAD, STAGES, CENT_E4M3, CENT_SCALED,
+        D, D_PAD, STAGES, CENT_SCALED,
     )
     G_PAD: tl.constexpr = D_PAD // GROUP
     MANTISSA: tl.constexpr = 3 if SCALE_E4M3 else 10
@@ -237,10 +236,10 @@ def quantize_residual_into(
     )
     common = dict(
         D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, STAGES=cfg.stages,
-        CENT_E4M3=cfg.centroid_dtype == "e4m3", CENT_SCALED=storage.centroid_scales is not None,
+        CENT_SCALED=storage.centroid_scales is not None,
         SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax, BLOCK=BLOCK_TOKENS, enable_fp_fusion=False,
     )
-    inputs = (x, storage.ids, as_bits(storage.centroids), cscale, need)
+    inputs = (x, storage.ids, storage.centroids, cscale, need)
     _head_extent_kernel[grid](*inputs, N, H, token_start, slot, *residual_args, **common)
     _residual_codes_kernel[grid](
         *inputs, alphas, storage.codes, as_bits(storage.scales), as_bits(zeros), storage.scale_shift,
