@@ -2,7 +2,8 @@
 
 Each program decodes ``BLOCK_ROWS`` (token, head) rows of the workspace for one batch entry. A row finds its
 segment by scanning the segment table (later rows win, as in the reference's in-order copies), so segments
-may come in any order, into any destination, and rows no segment covers are left untouched. The segment
+may come in any order, into any destination, and rows no segment covers are left untouched; when one
+segment alone covers all of a program's tokens (nearly always), a scalar scan finds it once for all rows. The segment
 count and all token counts are runtime arguments: a new window length never recompiles.
 
 The arithmetic is :mod:`..format`'s, in its order, with exact conversions from :mod:`.numerics`; with
@@ -50,19 +51,43 @@ def _dequantize_kernel(
     dst = rows // heads
     h = (rows % heads).to(tl.int64)
 
-    # Which segment covers each destination token (the last matching row of the table wins).
-    src = tl.zeros([BLOCK], tl.int64)
-    slot = tl.zeros([BLOCK], tl.int64)
-    covered = tl.zeros([BLOCK], tl.int1)
+    # Which segment covers each destination token (the last matching row of the table wins). Usually one
+    # segment holds all of this program's tokens: a scalar scan finds it, and rows need no search of their own.
+    first = (tl.program_id(0) * BLOCK) // heads
+    last = (tl.minimum(tl.program_id(0) * BLOCK + BLOCK, num_rows) - 1) // heads
+    hits = 0
+    hit_src = 0
+    hit_dst = 0
+    hit_len = 0
+    hit_slot = 0
     for i in range(num_segments):
         seg_src = tl.load(seg_ptr + i * s_seg_row)
         seg_len = tl.load(seg_ptr + i * s_seg_row + s_seg_col)
         seg_dst = tl.load(seg_ptr + i * s_seg_row + 2 * s_seg_col)
         seg_slot = tl.load(seg_ptr + i * s_seg_row + 3 * s_seg_col)
-        inside = (dst >= seg_dst) & (dst < seg_dst + seg_len)
-        src = tl.where(inside, (seg_src + dst - seg_dst).to(tl.int64), src)
-        slot = tl.where(inside, seg_slot.to(tl.int64), slot)
-        covered = covered | inside
+        hit = (seg_dst <= last) & (seg_dst + seg_len > first)
+        hits += hit.to(tl.int32)
+        hit_src = tl.where(hit, seg_src, hit_src)
+        hit_dst = tl.where(hit, seg_dst, hit_dst)
+        hit_len = tl.where(hit, seg_len, hit_len)
+        hit_slot = tl.where(hit, seg_slot, hit_slot)
+    if (hits == 1) & (hit_dst <= first) & (hit_dst + hit_len > last):
+        src = (hit_src + dst - hit_dst).to(tl.int64)
+        slot = tl.zeros([BLOCK], tl.int64) + hit_slot
+        covered = tl.full([BLOCK], True, tl.int1)
+    else:
+        src = tl.zeros([BLOCK], tl.int64)
+        slot = tl.zeros([BLOCK], tl.int64)
+        covered = tl.zeros([BLOCK], tl.int1)
+        for i in range(num_segments):
+            seg_src = tl.load(seg_ptr + i * s_seg_row)
+            seg_len = tl.load(seg_ptr + i * s_seg_row + s_seg_col)
+            seg_dst = tl.load(seg_ptr + i * s_seg_row + 2 * s_seg_col)
+            seg_slot = tl.load(seg_ptr + i * s_seg_row + 3 * s_seg_col)
+            inside = (dst >= seg_dst) & (dst < seg_dst + seg_len)
+            src = tl.where(inside, (seg_src + dst - seg_dst).to(tl.int64), src)
+            slot = tl.where(inside, seg_slot.to(tl.int64), slot)
+            covered = covered | inside
     row_mask = (rows < num_rows) & covered
     dst = dst.to(tl.int64)
 
