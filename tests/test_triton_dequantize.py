@@ -129,8 +129,15 @@ def test_non_contiguous_storage_workspace_table_and_rotary():
 
 
 def test_later_rows_win_where_destinations_overlap():
-    storage = random_storage(VARIANTS["default-trits-e4m3"])
+    storage = random_storage(VARIANTS["default-trits-e4m3"], tokens=24)
     assert_bit_identical(storage, dq.segment_table([(0, 6, 0, 0), (6, 4, 3, 1)]), 10)
+    # A later segment inside an earlier one: the ends of a program's rows agree on a segment, the middle does not.
+    assert_bit_identical(storage, dq.segment_table([(0, 20, 0, 0), (20, 2, 5, 1)]), 20)
+
+
+def test_one_long_segment_in_the_middle_of_the_window():
+    storage = random_storage(VARIANTS["default-trits-e4m3"], tokens=50)
+    assert_bit_identical(storage, dq.segment_table([(3, 45, 9, 2)]), 60, random_rotary(60, 64))
 
 
 def test_backend_override_routes_the_codec_verb():
