@@ -6,6 +6,8 @@ import os
 
 import torch
 
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read as Triton reads it when the kernels are defined
+
 
 def check_runnable(*tensors: torch.Tensor) -> None:
     """Kernels run on CUDA tensors, or on CPU under Triton's interpreter; one device for all operands."""
@@ -18,9 +20,6 @@ def check_runnable(*tensors: torch.Tensor) -> None:
             f"the Triton QVG kernels need CUDA tensors (got {device}); on CPU use the torch backend, or set "
             "TRITON_INTERPRET=1 before importing diffusers_qvg to run them in Triton's interpreter"
         )
-
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"  # read as Triton reads it when the kernels are defined
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:
