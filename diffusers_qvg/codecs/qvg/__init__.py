@@ -1,6 +1,7 @@
 """Quant VideoGen: config, packed format, reference encoder and decoder."""
 
+from .backend import backend
 from .config import QVGConfig
 from .format import QVGPacked
 
-__all__ = ["QVGConfig", "QVGPacked"]
+__all__ = ["QVGConfig", "QVGPacked", "backend"]

@@ -198,7 +198,7 @@ class QVGConfig(CodecConfig):
         quantize_into(self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot)
 
     def dequantize_into(self, storage: Packed, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:
-        from .decode import dequantize_into
+        from .backend import dequantize_into
 
         self.check_segments(storage, segments, out, rotary)
         dequantize_into(storage, segments, out, rotary)

@@ -13,7 +13,8 @@ from ..groups import pow2_at_least
 from .config import QVGConfig
 from .decode import decode_centroids
 from .format import QVGPacked, pack_codes
-from .kmeans import assign, gather_rows, kmeans_init, lloyd
+from .backend import encoder_ops
+from .kmeans import gather_rows, kmeans_init
 from .residual import quantize_residual
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -72,6 +73,7 @@ def quantize_into(
     B, N, H, D = x.shape
     K, f = config.centroids, compute_dtype_for(x.dtype)
 
+    ops = encoder_ops(config, x)
     points = x.to(f).permute(0, 2, 1, 3).reshape(B * H, N, D)  # one k-means problem per (batch, head)
     stages = []  # (stored centroids, centroid scales, ids) per stage
     for t in range(config.stages):
@@ -81,24 +83,37 @@ def quantize_into(
         else:
             generator = torch.Generator(device=x.device).manual_seed(config.seed + t)
             init = kmeans_init(points, K, config.kmeans_init, generator)
-        stored, scales = round_centroids(lloyd(points, init, config.kmeans_iters), config)
+        stored, scales = round_centroids(ops.lloyd(points, init, config.kmeans_iters), config)
         table = decode_centroids(stored, scales, f)
-        ids = assign(points, table)
-        points = points - gather_rows(table, ids)
+        ids = ops.assign(points, table).long()
+        if ops.write_residual is None or t + 1 < config.stages:  # the kernel subtracts the last stage itself
+            points = points - gather_rows(table, ids)
         stages.append((stored, scales, ids))
+
+    tokens = slice(token_start, token_start + N)
+    if ops.write_residual is not None:
+        write_stages(storage, stages, tokens, slot)  # the residual kernel reads them back from the storage
+        ops.write_residual(storage, x, token_start=token_start, slot=slot)
+        return
 
     residual = points.reshape(B, H, N, D).transpose(1, 2)
     codes = quantize_residual(residual, config)
     packed_codes = pack_codes(codes.u, config)
 
-    tokens = slice(token_start, token_start + N)
     storage.codes[:, tokens] = packed_codes
     storage.scales[:, tokens] = codes.scales
     if storage.zeros is not None:
         storage.zeros[:, tokens] = codes.zeros
     storage.scale_shift[slot] = codes.shift
+    write_stages(storage, stages, tokens, slot)
+
+
+def write_stages(storage: QVGPacked, stages: list, tokens: slice, slot: int) -> None:
+    """Store each stage's centroids (and scales) in ``slot`` and its ids at ``tokens``."""
+    B, _, H, D = storage.shape
+    N = tokens.stop - tokens.start
     for t, (stored, scales, ids) in enumerate(stages):
-        storage.centroids[slot, t] = stored.reshape(B, H, K, D)
+        storage.centroids[slot, t] = stored.reshape(B, H, -1, D)
         if scales is not None:
             storage.centroid_scales[slot, t] = scales.reshape(B, H, -1)
         storage.ids[:, tokens, :, t] = ids.reshape(B, H, N).transpose(1, 2).to(storage.ids.dtype)

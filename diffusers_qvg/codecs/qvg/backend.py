@@ -1,0 +1,105 @@
+"""Choose the QVG kernels: Triton on CUDA, the PyTorch reference elsewhere, or what a test forces.
+
+``with backend("triton"):`` runs the Triton kernels even on CPU (under ``TRITON_INTERPRET=1``);
+``with backend("torch"):`` runs the reference even on CUDA. The choice is per context (thread- and
+task-local), so concurrent callers do not see each other's overrides.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Literal, NamedTuple
+
+import torch
+
+from ..groups import scale_candidates
+from .config import QVGConfig
+from .format import QVGPacked
+
+Backend = Literal["triton", "torch"]
+_forced: ContextVar[Backend | None] = ContextVar("qvg_backend", default=None)
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@contextmanager
+def backend(name: Backend) -> Iterator[None]:
+    """Force the QVG kernels' backend inside the ``with`` block."""
+    if name not in ("triton", "torch"):
+        raise ValueError(f"unknown QVG backend {name!r}; use 'triton' or 'torch'")
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def use_triton(device: torch.device, unsupported: str | None) -> bool:
+    """Triton when forced, else on CUDA for the inputs the kernels support (float64 stays on the reference).
+
+    ``unsupported`` says why the kernels cannot take this call (None when they can); forcing Triton on
+    such a call raises before anything is written.
+    """
+    forced = _forced.get()
+    if forced == "triton" and unsupported:
+        raise ValueError(f"the Triton QVG kernels do not support this call: {unsupported}; use backend('torch')")
+    if forced is not None:
+        return forced == "triton"
+    return device.type == "cuda" and unsupported is None
+
+
+def dequantize_into(
+    storage: QVGPacked,
+    segments: torch.Tensor,
+    out: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    unsupported = None
+    if out.dtype not in _TRITON_DTYPES:
+        unsupported = f"{out.dtype} workspace (bfloat16, float16 or float32 only)"
+    elif rotary is not None and any(t.dtype != torch.float32 for t in rotary):
+        unsupported = "cos/sin that are not float32"
+    if use_triton(out.device, unsupported):
+        from .triton.dequantize import dequantize_into as run
+    else:
+        from .decode import dequantize_into as run
+    run(storage, segments, out, rotary)
+
+
+class EncoderOps(NamedTuple):
+    """The encoder's heavy steps on one backend; ``write_residual`` is None on the torch reference."""
+
+    lloyd: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+    assign: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    write_residual: Callable[..., None] | None
+
+
+@functools.lru_cache(maxsize=16)
+def _alphas(search: str, device: torch.device) -> torch.Tensor:
+    """The scale fractions on ``device``, built once (no host-to-device copy per call)."""
+    return scale_candidates(search, torch.float32, device)
+
+
+def encoder_ops(config: QVGConfig, x: torch.Tensor) -> EncoderOps:
+    """Triton k-means (deterministic, sync-free) and residual kernels on CUDA, the reference elsewhere.
+
+    The Triton residual kernel needs float32 math (no float64 input) and a power-of-two group size.
+    """
+    unsupported = None
+    if x.dtype not in _TRITON_DTYPES:
+        unsupported = f"{x.dtype} input (bfloat16, float16 or float32 only)"
+    elif config.group_size & (config.group_size - 1):
+        unsupported = f"group_size {config.group_size} (powers of two only)"
+    if not use_triton(x.device, unsupported):
+        from .kmeans import assign, lloyd
+
+        return EncoderOps(lloyd, assign, None)
+    from .triton.assign import assign
+    from .triton.centroid_update import lloyd
+    from .triton.quantize import quantize_residual_into
+
+    def write_residual(storage: QVGPacked, x: torch.Tensor, *, token_start: int, slot: int) -> None:
+        quantize_residual_into(storage, x, _alphas(config.scale_search, x.device), token_start=token_start, slot=slot)
+
+    return EncoderOps(lloyd, assign, write_residual)

@@ -1,0 +1,82 @@
+"""Exact float formats by integer arithmetic, shared by the QVG kernels.
+
+Triton's own rounding conversions differ between backends (the CPU interpreter truncates to bfloat16 and
+rounds e4m3 its own way; GPUs saturate), so every rounding the format contract names is spelled out here
+with integer bit operations and power-of-two products: the results are the same on every backend and equal
+to PyTorch's casts for the finite, in-range values the codec produces. Widening conversions (e4m3, fp16,
+bf16 to float32) are exact everywhere and use Triton's own.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pow2(e):
+    """2^e as float32, exactly, for integer ``e`` in [-126, 127]."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exponent(v):
+    """floor(log2|v|) of a normal float32 (the biased exponent field, unbiased)."""
+    return ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
+
+
+@triton.jit
+def rint(v):
+    """Round half to even, for |v| < 2^22 (the float32 magic-number trick; exact without fast-math)."""
+    return (v + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def f32_to_e4m3(v):
+    """Encode a float32 that is exactly representable in e4m3 (see :func:`round_to_format`) as its bits (int32).
+
+    Only encoding needs this: decoding e4m3 with ``.to(tl.float32)`` is exact on every backend (the patterns
+    0x7F/0xFF, NaN in PyTorch, which the encoder never writes, are the one exception in the interpreter).
+    """
+    sign = tl.where(v.to(tl.int32, bitcast=True) < 0, 128, 0)
+    a = tl.abs(v)
+    e = tl.maximum(exponent(a), -6)
+    mantissa = (a * pow2(3 - e)).to(tl.int32)  # in [8, 16) for normals, [0, 8) for subnormals
+    field = tl.where(mantissa >= 8, e + 7, 0)
+    return sign | (field << 3) | (mantissa & 7)
+
+
+@triton.jit
+def round_to_format(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """Round float32 ``v`` to nearest-even in a format with ``MANTISSA`` bits and normals from 2^MIN_EXPONENT.
+
+    e4m3 is (3, -6), float16 (10, -14). Values must lie below the format's maximum (no saturation here).
+    """
+    e = tl.maximum(exponent(v), MIN_EXPONENT)
+    # Scaling by powers of two is exact; a `/` could compile to an approximate division.
+    magnitude = rint(tl.abs(v) * pow2(MANTISSA - e)) * pow2(e - MANTISSA)
+    return tl.where(v.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)  # -0.0 stays -0.0, as in a cast
+
+
+@triton.jit
+def clamp(v, lo, hi):
+    """``torch.clamp``'s result bit for bit: a -0.0 inside the range stays -0.0 (min/max instructions may not)."""
+    return tl.where(v < lo, lo, tl.where(v > hi, hi, v))
+
+
+@triton.jit
+def round_to_bf16(v):
+    """float32 -> the nearest-even bfloat16 value, still as float32 (so any later cast is exact)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def cast_exact(v, dtype: tl.constexpr, SOFTWARE_BF16: tl.constexpr):
+    """float32 -> ``dtype`` with round-to-nearest-even: GPUs' ``cvt.rn`` does it; the interpreter truncates to
+    bfloat16, so there (``SOFTWARE_BF16``) the rounding is done in integer arithmetic first."""
+    if SOFTWARE_BF16 and dtype == tl.bfloat16:
+        return round_to_bf16(v).to(dtype)
+    else:
+        return v.to(dtype)

@@ -1,0 +1,96 @@
+"""Codec quality benchmark on video-derived K/V at Self-Forcing geometry (issue 2): prints a markdown table.
+
+    python scripts/bench_codec.py            # 7 chunks of 4680 tokens, 12 heads x 128 (a few minutes on CPU)
+    python scripts/bench_codec.py --small    # tiny sizes, seconds (tests)
+    python scripts/bench_codec.py --only qvg-int2 official-int2
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+import diffusers_qvg as dq
+from diffusers_qvg.codec_quality import CodecQuality, attention_probe, measure_codec
+from diffusers_qvg.codecs import PRESETS
+from diffusers_qvg.video_kv import VideoKVSpec, video_kv
+
+SMALL = VideoKVSpec(height=64, width=96, patch=8, heads=2, head_dim=64)  # 288 tokens/chunk: >= 256 centroids
+
+
+def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
+    """Name -> (codec, warm start): every registry preset, the official settings, and variants worth showing."""
+    official = dq.QVGConfig.official()
+    rows = {name: (dq.resolve_codec(name), False) for name in PRESETS}
+    rows |= {
+        "qvg-int4-official": (dq.QVGConfig.official(bits=4), False),
+        "official + mse scales": (official.with_(scale_search="mse"), False),
+        "official + trits": (official.with_(packing="auto"), False),
+        "qvg-int2 bf16 centroids": (dq.QVGConfig(centroid_dtype="bfloat16"), False),
+        "qvg-int2 strided init": (dq.QVGConfig(kmeans_init="strided"), False),
+        "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
+        "qvg-int2 warm start": (dq.QVGConfig(), True),
+    }
+    return rows
+
+
+def markdown_table(results: dict[str, CodecQuality]) -> str:
+    header = (
+        "| codec | bits/elem | vs BF16 | K relL2 | K pre-RoPE relL2 | V relL2 | attn err | sharp attn err "
+        "| attn err (K pre-RoPE) | sharp (K pre-RoPE) | quantize ms/chunk | dequantize ms/chunk |"
+    )
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for name, r in results.items():
+        lines.append(
+            f"| {name} | {r.bits_per_element:.3f} | {16 / r.bits_per_element:.2f}x | {r.key_rel_l2:.4f} "
+            f"| {r.key_pre_rope_rel_l2:.4f} | {r.value_rel_l2:.4f} | {r.attention_error:.4f} "
+            f"| {r.sharp_attention_error:.4f} | {r.attention_error_pre_rope:.4f} "
+            f"| {r.sharp_attention_error_pre_rope:.4f} | {r.quantize_ms:.1f} | {r.dequantize_ms:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64), seconds")
+    parser.add_argument("--chunks", type=int, default=7, help="chunks in the window (7 = 21 latent frames)")
+    parser.add_argument("--queries", type=int, default=256, help="queries sampled from the last chunk")
+    parser.add_argument("--sharpness", type=float, default=4.0, help="query scale for the sharp attention error")
+    parser.add_argument("--only", nargs="+", metavar="CODEC", help="rows to run (default: all)")
+    args = parser.parse_args(argv)
+
+    rows = codec_rows()
+    unknown = sorted(set(args.only or ()) - set(rows))
+    if unknown:
+        parser.error(f"unknown codec rows {unknown}; choose from {list(rows)}")
+    spec = SMALL if args.small else VideoKVSpec()
+    chunks = 2 if args.small else args.chunks
+    queries = 64 if args.small else args.queries
+
+    start = time.perf_counter()
+    data = video_kv(spec, chunks=chunks)
+    print(
+        f"video-derived K/V: {spec.height}x{spec.width} frames, {spec.tokens_per_chunk} tokens/chunk x {chunks} chunks, "
+        f"{spec.heads} heads x {spec.head_dim}, clips {', '.join(spec.clips)}; built in {time.perf_counter() - start:.1f} s",
+        file=sys.stderr,
+    )
+    probe = attention_probe(data, queries, args.sharpness)
+    results = {}
+    for name, (codec, warm) in rows.items():
+        if args.only and name not in args.only:
+            continue
+        results[name] = measure_codec(codec, data, probe, warm_start=warm)
+        print(f"  {name}: done", file=sys.stderr)
+    print(
+        f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads; command: {' '.join(['python', *sys.argv])}\n"
+    )
+    print(markdown_table(results))
+
+
+if __name__ == "__main__":
+    main()

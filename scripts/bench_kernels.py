@@ -1,0 +1,259 @@
+"""Kernel benchmark (issue 4): quantize one chunk tensor and dequantize a 21-frame window, against anchors.
+
+    python scripts/bench_kernels.py              # CUDA: Self-Forcing geometry, a few minutes
+    python scripts/bench_kernels.py --small      # tiny sizes; on CPU the kernels run in Triton's interpreter
+
+Same run, same inputs (video-derived K/V from ``diffusers_qvg.video_kv`` when it can be built, else a
+clearly labelled synthetic fallback): our kernels, ``quant-videogen==0.1.0`` when it imports, a
+``torch.compile``d unpack of plain 2-bit codes with per-group scales (what a user would write instead), the
+torch reference decoder, and the copy roofline (a device-to-device copy of the bytes our decoder reads and
+writes). Times are medians of warm repeats (CUDA events on GPU). Prints a markdown table, then JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from typing import Callable
+
+import torch
+
+QUANTIZE_TARGET_MS = 0.25  # one chunk tensor [1, 4680, 12, 128], k-means excluded
+DEQUANTIZE_TARGET_MS = 0.10  # 7 segments x 4680 tokens, K and V
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def load_kv(spec, chunks: int, device: torch.device) -> tuple[dict[str, torch.Tensor], str]:
+    """Pre-RoPE keys, values and the window's RoPE tables; video-derived when possible."""
+    try:
+        from diffusers_qvg.video_kv import video_kv
+
+        data = video_kv(spec, chunks=chunks)
+        tensors = dict(key=data.key_pre_rope, value=data.value, cos=data.cos, sin=data.sin)
+        source = f"video-derived (diffusers_qvg.video_kv, clips {', '.join(spec.clips)})"
+    except (ImportError, OSError, RuntimeError, ValueError) as error:
+        g = torch.Generator().manual_seed(0)
+        n, H, D = chunks * spec.tokens_per_chunk, spec.heads, spec.head_dim
+        basis = torch.randn(16, H * D, generator=g)  # low-rank tokens plus noise: some structure for k-means
+
+        def tensor() -> torch.Tensor:
+            weights = torch.randn(n, 16, generator=g).cumsum(0) / n**0.5
+            return (weights @ basis + 0.3 * torch.randn(n, H * D, generator=g)).view(1, n, H, D).bfloat16()
+
+        angles = torch.arange(n, dtype=torch.float64)[:, None] * torch.logspace(0, -4, D // 2, dtype=torch.float64)
+        rope = [f(angles).repeat_interleave(2, -1).float().view(1, n, 1, D) for f in (torch.cos, torch.sin)]
+        tensors = dict(key=tensor(), value=tensor(), cos=rope[0], sin=rope[1])
+        source = f"FALLBACK synthetic low-rank K/V, NOT video-derived (video_kv unavailable: {error})"
+    return {k: v.to(device) for k, v in tensors.items()}, source
+
+
+def official_quantize(x: torch.Tensor) -> tuple[Callable[[], object] | None, str]:
+    """quant-videogen's K+V compression of ``x`` (used as both K and V), or why it cannot run."""
+    try:
+        import quant_videogen
+        from quant_videogen.compress import compress_kv_cache, get_quantize_fn
+        from quant_videogen.sim.quant.quantize_config import QuantizeConfig
+
+        qtype = "triton-nstages-kmeans-int2"
+        cfg = QuantizeConfig(quant_type=qtype, num_prq_stages=1, quant_block_size=64, kmeans_max_iters=2)
+        qfn = get_quantize_fn(qtype, cfg)
+        bhsd = x.transpose(1, 2).contiguous()
+        compress_kv_cache(bhsd, bhsd, qtype, cfg, qfn)  # fails here if its kernels do not build
+        version = getattr(quant_videogen, "__version__", "?")
+        return (lambda: compress_kv_cache(bhsd, bhsd, qtype, cfg, qfn)), f"quant-videogen {version}, K+V call / 2"
+    except Exception as error:  # any failure of a third-party import or launch is reported, not fatal
+        return None, f"quant-videogen does not run here: {type(error).__name__}: {error}"
+
+
+def plain_unpack(device: torch.device) -> tuple[Callable, str]:
+    """What a user would write: 2-bit codes (4 per byte) times per-group bf16 scales, compiled on CUDA."""
+
+    def unpack(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        shifts = torch.tensor([6, 4, 2, 0], dtype=torch.uint8, device=codes.device)
+        u = (codes.unsqueeze(-1) >> shifts) & 3  # [B, W, H, D/4, 4]
+        levels = u.flatten(-2).to(torch.float32) - 1.0
+        return (levels.unflatten(-1, (scales.shape[-1], -1)) * scales.float().unsqueeze(-1)).flatten(-2).bfloat16()
+
+    if device.type == "cuda":
+        return torch.compile(unpack, dynamic=False), "torch.compile"
+    return unpack, "eager (torch.compile is for the GPU run)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="tiny sizes (on CPU: Triton's interpreter), seconds")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default 50 on CUDA, 2 small)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10 on CUDA, 1 small)")
+    parser.add_argument("--json", metavar="PATH", help="also write the JSON to PATH")
+    args = parser.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        if not args.small:
+            parser.error("no CUDA device: the kernels only run at small sizes under Triton's interpreter; pass --small")
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
+    repeats = args.repeats or (50 if device.type == "cuda" and not args.small else 2)
+    warmup = args.warmup if args.warmup is not None else (10 if device.type == "cuda" and not args.small else 1)
+
+    import triton
+
+    import diffusers_qvg as dq
+    from diffusers_qvg.codecs.qvg import backend
+    from diffusers_qvg.codecs.qvg.backend import encoder_ops
+    from diffusers_qvg.codecs.qvg.kmeans import kmeans_init
+    from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_into as triton_dequantize
+    from diffusers_qvg.video_kv import VideoKVSpec
+
+    spec = VideoKVSpec(height=32, width=48, patch=8, heads=2, head_dim=64) if args.small else VideoKVSpec()
+    chunks = 3 if args.small else 7
+    n = spec.tokens_per_chunk
+    data, source = load_kv(spec, chunks, device)
+    H, D = spec.heads, spec.head_dim
+    configs = {"qvg-int2": dq.QVGConfig(), "official layout": dq.QVGConfig.official()}
+    if args.small:  # one configuration, few centroids: the code paths, in seconds
+        configs = {"qvg-int2": dq.QVGConfig(num_centroids=16, kmeans_iters=1, kmeans_init="strided")}
+    rows: list[dict] = []
+
+    def row(section, name, ms, *, nbytes=None, target=None, note=""):
+        rows.append(dict(section=section, name=name, ms=ms, bytes=nbytes, target_ms=target, note=note))
+        print(f"  {section} | {name}: {'-' if ms is None else f'{ms:.4f} ms'} {note}", file=sys.stderr)
+
+    def timed(fn):
+        return median_ms(fn, device, repeats, warmup)
+
+    # ---- Quantize one chunk tensor (K before RoPE, chunk 0) ----
+    x = data["key"][:, :n].contiguous()
+    for name, config in configs.items():
+        storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
+        with backend("triton"):
+            ops = encoder_ops(config, x)
+
+            no_kmeans = config.with_(kmeans_iters=0, kmeans_init="strided")
+            for label, c, target in ((f"init {config.kmeans_init} + {config.kmeans_iters} Lloyd iters", config, None),
+                                     ("no k-means: strided init, 0 iters", no_kmeans, QUANTIZE_TARGET_MS)):
+                own = c.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
+                row("quantize", f"{name}: whole encoder, {label}",
+                    timed(lambda: c.quantize_into(own, x, token_start=0, slot=0)), target=target,
+                    note="codec verb: input validation included")
+            config.quantize_into(storage, x, token_start=0, slot=0)  # ids and centroids for the residual kernels
+            row("quantize", f"{name}: residual codes, 2 launches (ours)",
+                timed(lambda: ops.write_residual(storage, x, token_start=0, slot=0)))
+            points = x.float().permute(0, 2, 1, 3).reshape(H, n, D)
+            table = kmeans_init(points, config.centroids, "strided", torch.Generator(device=device))
+            row("quantize", f"{name}: nearest-centroid assignment (ours)", timed(lambda: ops.assign(points, table)))
+            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours)",
+                timed(lambda: ops.lloyd(points, table, config.kmeans_iters)))
+        if device.type == "cuda":
+            from flash_kmeans import batch_kmeans_Euclid
+
+            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, flash-kmeans batch_kmeans_Euclid",
+                timed(lambda: batch_kmeans_Euclid(points, config.centroids, max_iters=config.kmeans_iters, tol=0.0,
+                                                  init_centroids=table.clone())),
+                note="fp32 atomics (non-deterministic), host sync per iteration")
+    if device.type == "cuda":
+        run, note = official_quantize(x)
+        row("quantize", "official quant-videogen: whole quantize, per tensor", None if run is None else timed(run) / 2, note=note)
+
+    # ---- Dequantize the window: `chunks` segments of `n` tokens, K (rotated by RoPE) and V ----
+    W = chunks * n
+    segments = dq.segment_table([(i * n, n, i * n, i) for i in range(chunks)], device=device)
+    rotary = (data["cos"], data["sin"])
+    out = {role: torch.empty(1, W, H, D, dtype=torch.bfloat16, device=device) for role in ("key", "value")}
+    out_bytes = 2 * out["key"].numel() * out["key"].element_size()
+    for name, config in configs.items():
+        stores = {}
+        for role in ("key", "value"):
+            s = config.allocate(batch=1, capacity_tokens=W, heads=H, head_dim=D, num_slots=chunks, dtype=torch.bfloat16, device=device)
+            for i in range(chunks):
+                config.quantize_into(s, data[role][:, i * n : (i + 1) * n], token_start=i * n, slot=i)
+            stores[role] = s
+        packed_bytes = sum(s.nbytes for s in stores.values())
+        note = f"{packed_bytes / 2 / (W * H * D) * 8:.2f} bits/element incl. window-sized storage"
+        for rope in (True, False):
+            def kernels():
+                triton_dequantize(stores["key"], segments, out["key"], rotary if rope else None)
+                triton_dequantize(stores["value"], segments, out["value"])
+
+            row("dequantize", f"{name}: ours, 1 launch per tensor, K{' +RoPE' if rope else ''} and V", timed(kernels),
+                nbytes=packed_bytes + out_bytes, target=DEQUANTIZE_TARGET_MS, note=note)
+        for mode in ("triton", "torch"):
+            def verb():
+                config.dequantize_into(stores["key"], segments, out["key"], rotary)
+                config.dequantize_into(stores["value"], segments, out["value"])
+
+            with backend(mode):
+                label = "ours via the codec verb (segment-table check included)" if mode == "triton" else "torch reference decoder"
+                row("dequantize", f"{name}: {label}, K +RoPE and V", timed(verb), nbytes=packed_bytes + out_bytes, note=note)
+
+    unpack, how = plain_unpack(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    plain = [
+        (torch.randint(0, 256, (1, W, H, D // 4), dtype=torch.uint8, device=device, generator=g),
+         torch.rand(1, W, H, D // 64, device=device, generator=g).bfloat16())
+        for _ in range(2)
+    ]
+    plain_bytes = sum(c.numel() + s.numel() * 2 for c, s in plain) + out_bytes
+    row("dequantize", f"plain 2-bit unpack x per-group scales, K and V ({how})",
+        timed(lambda: [unpack(c, s) for c, s in plain]), nbytes=plain_bytes, note="no centroids, no RoPE")
+
+    # ---- Copy roofline: one device-to-device copy moving as many bytes as our decoder reads plus writes ----
+    ours = next(r for r in rows if r["section"] == "dequantize" and r["target_ms"])  # ours, K +RoPE and V
+    src = torch.empty(ours["bytes"] // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = timed(lambda: dst.copy_(src))
+    row("dequantize", "copy roofline: device copy of the same bytes", copy_ms, nbytes=2 * src.numel())
+    bandwidth = 2 * src.numel() / (copy_ms * 1e-3)
+    for r in rows:
+        if r["bytes"] and r["ms"]:
+            r["gb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+            r["fraction_of_copy"] = r["gb_per_s"] * 1e9 / bandwidth
+
+    meta = dict(
+        device=torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
+        torch=torch.__version__, triton=triton.__version__, date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        command=" ".join(["python", *sys.argv]), data=source, chunk_tokens=n, heads=H, head_dim=D, window_chunks=chunks,
+        repeats=repeats, warmup=warmup,
+    )
+    print(f"{meta['device']}; torch {meta['torch']}, triton {meta['triton']}; {meta['date']}; {meta['command']}")
+    print(f"data: {source}; chunk [1, {n}, {H}, {D}] bf16, window {chunks} x {n} tokens; median of {repeats} warm repeats\n")
+    print("| section | row | ms | target ms | GB/s | of copy bw | note |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ms = "not run" if r["ms"] is None else f"{r['ms']:.4f}"
+        target = "" if r["target_ms"] is None else f"{r['target_ms']:.2f}" + (" (full size)" if args.small else "")
+        gbs = f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else ""
+        frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
+        print(f"| {r['section']} | {r['name']} | {ms} | {target} | {gbs} | {frac} | {r['note']} |")
+    report = json.dumps(dict(meta=meta, rows=rows), indent=1)
+    print("\n" + report)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Triton k-means pieces: nearest-centroid assignment and the deterministic centroid update."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
+
+import pytest
+from flash_kmeans.torch_fallback import batch_kmeans_Euclid_torch_native
+
+from diffusers_qvg.codecs.qvg.triton.assign import assign
+from diffusers_qvg.codecs.qvg.triton.centroid_update import lloyd, update_centroids
+
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
+
+
+def points(P=3, N=101, D=48, seed=0):
+    return torch.randn(P, N, D, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+def exact_nearest(x, c):
+    return torch.cdist(x.double(), c.double()).argmin(-1)
+
+
+def test_assignment_is_the_nearest_centroid_across_centroid_blocks():
+    x = points()
+    c = points(N=37, seed=1)  # 37 centroids: two blocks, the second partial
+    ids = assign(x, c)
+    assert ids.dtype == torch.int32 and ids.shape == (3, 101)
+    assert torch.equal(ids.long(), exact_nearest(x, c))
+
+
+def test_assignment_ties_go_to_the_lower_index_within_and_across_blocks():
+    x = points(P=1, N=64)
+    c = points(P=1, N=40, seed=1)
+    c[0, 35] = c[0, 3] = x[0, 0]  # equal centroids 32 apart: different blocks
+    c[0, 9] = c[0, 7] = x[0, 1]  # equal centroids in one block
+    ids = assign(x, c)
+    assert ids[0, 0] == 3 and ids[0, 1] == 7
+
+
+def test_assignment_reads_strided_points():
+    x = points(P=2, N=50, D=32).transpose(0, 1).contiguous().transpose(0, 1)  # problem-minor memory
+    c = x[:, ::5]
+    assert not (x.is_contiguous() or c.is_contiguous())
+    assert torch.equal(assign(x, c).long(), exact_nearest(x, c))
+
+
+def test_update_is_the_cluster_mean_and_empty_clusters_keep_theirs():
+    x = points()
+    ids = torch.randint(0, 6, (3, 101), generator=torch.Generator().manual_seed(2)).to(DEVICE)  # clusters 6, 7 stay empty
+    old = points(N=8, seed=3)
+    new = update_centroids(x, ids, old)
+    for k in range(6):
+        mask = ids == k
+        expected = torch.stack([x[p][mask[p]].double().mean(0) for p in range(3)])
+        torch.testing.assert_close(new[:, k].double(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(new[:, 6:], old[:, 6:])
+    assert torch.equal(update_centroids(x, ids, old), new)  # same bits on a second run
+
+
+def test_lloyd_matches_flash_kmeans_torch_fallback():
+    x = points(P=2, N=120, D=32)
+    init = x[:, :10].clone()
+    _, expected, _ = batch_kmeans_Euclid_torch_native(x, 10, max_iters=3, tol=0.0, init_centroids=init.clone())
+    torch.testing.assert_close(lloyd(x, init, 3), expected, rtol=0, atol=1e-5)
+    assert torch.equal(lloyd(x, init, 0), init)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_lloyd_at_self_forcing_size_is_deterministic_and_agrees_with_flash_kmeans():
+    from flash_kmeans import batch_kmeans_Euclid
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(12, 4680, 128, device="cuda", generator=g)
+    init = x[:, ::18][:, :256].contiguous()
+    a, b = lloyd(x, init, 5), lloyd(x, init, 5)
+    assert torch.equal(a, b)
+    ids = assign(x, a).long()
+    agree = (ids == exact_nearest(x, a)).float().mean().item()
+    assert agree > 0.999
+    _, theirs, _ = batch_kmeans_Euclid(x, 256, max_iters=5, tol=0.0, init_centroids=init.clone())
+
+    def inertia(c):  # the k-means objective: ours must be as good as flash-kmeans' from the same init
+        return torch.cdist(x.double(), c.double()).amin(-1).square().sum().item()
+
+    assert inertia(a) <= inertia(theirs) * 1.001

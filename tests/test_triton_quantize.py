@@ -1,0 +1,142 @@
+"""The Triton residual quantizer against the reference encoder: same codes, scales, zeros and shift."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
+
+import copy
+
+import pytest
+
+import diffusers_qvg as dq
+from diffusers_qvg.codecs.groups import scale_candidates
+from diffusers_qvg.codecs.qvg import backend
+from diffusers_qvg.codecs.qvg.triton.quantize import quantize_residual_into
+from diffusers_qvg.metrics import rel_l2
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
+
+VARIANTS = {
+    "default": dq.QVGConfig(num_centroids=4),
+    "int4-fp16scales-bf16-2stages": dq.QVGConfig(bits=4, num_centroids=4, stages=2, centroid_dtype="bfloat16", scale_dtype="fp16"),
+    "asym-int2-headscale": dq.QVGConfig(symmetric=False, num_centroids=3, centroid_scale="head", group_size=16),
+    "asym-int4-fp16-no-stages": dq.QVGConfig(symmetric=False, bits=4, scale_dtype="fp16", stages=0, group_size=32),
+    "official": dq.QVGConfig.official().with_(num_centroids=4),
+    "fp32-centroids-int16-ids": dq.QVGConfig(
+        num_centroids=257, centroid_dtype="float32", group_size=8, kmeans_iters=1, kmeans_init="strided"
+    ),
+}
+RESIDUAL_FIELDS = ("codes", "scales", "zeros", "scale_shift")
+
+
+def chunk(N=13, H=3, D=64, dtype=torch.bfloat16, seed=0):
+    """Heads of very different magnitudes (the per-head shift must follow them)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, N, H, D, generator=g) * torch.logspace(-4, 3, H).view(1, 1, H, 1)
+    return (x + torch.randn(2, 1, H, D, generator=g)).to(dtype).to(DEVICE)
+
+
+def reference_then_kernel(config, x, capacity=None, token_start=0, slot=0):
+    """Encode with the reference, then let the kernel rewrite the residual fields from the same ids and centroids."""
+    B, N, H, D = x.shape
+    storage = config.allocate(batch=B, capacity_tokens=capacity or N, heads=H, head_dim=D, num_slots=slot + 1, dtype=x.dtype, device=DEVICE)
+    with backend("torch"):
+        config.quantize_into(storage, x, token_start=token_start, slot=slot)
+    ours = copy.deepcopy(storage)
+    for name in RESIDUAL_FIELDS:
+        if getattr(ours, name) is not None:
+            getattr(ours, name).view(torch.uint8).fill_(0xAB if name != "scale_shift" else 0)
+    quantize_residual_into(ours, x, scale_candidates(config.scale_search, torch.float32, DEVICE), token_start=token_start, slot=slot)
+    return storage, ours
+
+
+def assert_same_bytes(expected, actual):
+    for name, t in expected.tensors().items():
+        assert torch.equal(t.view(torch.uint8), getattr(actual, name).view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_variant_gives_the_reference_codes_and_scales(name):
+    x = chunk(N=257, H=1, D=16) if VARIANTS[name].centroids > 256 else chunk()  # int16 ids need > 256 tokens
+    expected, ours = reference_then_kernel(VARIANTS[name], x)
+    assert_same_bytes(expected, ours)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_input_dtypes(dtype):
+    expected, ours = reference_then_kernel(VARIANTS["default"], chunk(dtype=dtype))
+    assert_same_bytes(expected, ours)
+
+
+def test_writes_only_its_token_range_and_slot():
+    expected, ours = reference_then_kernel(VARIANTS["asym-int2-headscale"], chunk(N=7), capacity=20, token_start=9, slot=2)
+    for name in ("codes", "scales", "zeros"):
+        t = getattr(ours, name).view(torch.uint8)
+        assert torch.equal(t[:, 9:16], getattr(expected, name).view(torch.uint8)[:, 9:16]), name
+        assert (t[:, :9] == 0xAB).all() and (t[:, 16:] == 0xAB).all(), name
+    assert torch.equal(ours.scale_shift[2], expected.scale_shift[2]) and (ours.scale_shift[:2] == 0).all()
+
+
+def test_one_token_odd_head_dim_and_strided_input():
+    config = dq.QVGConfig(num_centroids=1, group_size=16)
+    x = chunk(N=1, D=48)
+    expected, ours = reference_then_kernel(config, x)
+    assert_same_bytes(expected, ours)
+    strided = chunk(N=11).transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous()
+    assert_same_bytes(*reference_then_kernel(VARIANTS["default"], strided))
+
+
+@pytest.mark.parametrize("scale", [0.0, 1e-30, 1e9])
+def test_zero_tiny_and_huge_heads(scale):
+    x = (chunk(dtype=torch.float32) * scale).contiguous()
+    for config in (VARIANTS["default"], VARIANTS["asym-int2-headscale"]):
+        assert_same_bytes(*reference_then_kernel(config, x))
+
+
+def test_video_derived_chunk():
+    from diffusers_qvg.video_kv import VideoKVSpec, video_kv
+
+    data = video_kv(VideoKVSpec(height=32, width=48, patch=8, heads=2, head_dim=64), chunks=1)
+    assert_same_bytes(*reference_then_kernel(dq.QVGConfig(num_centroids=8), data.key_pre_rope.to(DEVICE)))
+
+
+def test_triton_encoder_is_deterministic_and_as_accurate_as_the_reference():
+    config = dq.QVGConfig(num_centroids=6, kmeans_iters=3)
+    x = chunk(N=24, H=2)
+    with backend("triton"):
+        a, b = config.quantize(x), config.quantize(x)
+        decoded = dq.dequantize(a)
+    assert_same_bytes(a, b)
+    with backend("torch"):
+        reference = dq.dequantize(config.quantize(x))
+    ours_err, ref_err = rel_l2(decoded, x), rel_l2(reference, x)
+    assert ours_err <= ref_err * 1.05 + 1e-6
+
+
+def test_forcing_triton_on_float64_raises_before_writing():
+    config = VARIANTS["default"]
+    x = chunk(dtype=torch.float64)
+    storage = config.allocate(batch=2, capacity_tokens=13, heads=3, head_dim=64, num_slots=1, dtype=x.dtype, device=DEVICE)
+    before = copy.deepcopy(storage)
+    with pytest.raises(ValueError, match="backend\\('torch'\\)"):
+        with backend("triton"):
+            config.quantize_into(storage, x, token_start=0, slot=0)
+    assert_same_bytes(before, storage)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["default", "official", "asym-int2-headscale"])
+def test_self_forcing_chunk_gives_the_reference_codes_on_gpu(name):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 4680, 12, 128, device="cuda", generator=g) + torch.randn(1, 1, 12, 128, device="cuda", generator=g)
+    expected, ours = reference_then_kernel(VARIANTS[name].with_(num_centroids=256), x.bfloat16())
+    assert torch.equal(expected.scale_shift, ours.scale_shift)
+    # Only near-ties of the MSE choice (float32 sums in another order) may differ: a handful of groups at most.
+    for field in ("codes", "scales"):
+        differ = getattr(expected, field).view(torch.uint8) != getattr(ours, field).view(torch.uint8)
+        assert differ.float().mean().item() < 1e-4, field
