@@ -2,12 +2,8 @@
 
 import os
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
-
 import pytest
+import torch
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.qvg import backend

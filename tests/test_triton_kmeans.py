@@ -1,13 +1,7 @@
 """Triton k-means pieces: nearest-centroid assignment and the deterministic centroid update."""
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
-
 import pytest
+import torch
 from flash_kmeans.torch_fallback import batch_kmeans_Euclid_torch_native
 
 from diffusers_qvg.codecs.qvg.triton.assign import assign

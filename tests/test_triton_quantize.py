@@ -1,15 +1,9 @@
 """The Triton residual quantizer against the reference encoder: same codes, scales, zeros and shift."""
 
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported: run the kernels on CPU
-
 import copy
 
 import pytest
+import torch
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.groups import scale_candidates
