@@ -1,6 +1,5 @@
 """The Triton decoder against the reference decoder: bit-identical for every storage variant and segment layout."""
 
-
 import pytest
 import torch
 
