@@ -43,7 +43,7 @@ def checked_rows(rows: Iterable[Sequence[int]]) -> tuple[Row, ...]:
     return tuple(checked)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality: tensors have no single truth value
 class SegmentTable:
     """Which token ranges of a storage land where in a workspace, validated once on the host.
 
@@ -73,10 +73,6 @@ class SegmentTable:
 
     def __len__(self) -> int:
         return len(self.rows)
-
-    @property
-    def device(self) -> torch.device:
-        return self.tensor.device
 
     def to(self, device: torch.device | str) -> "SegmentTable":
         return segment_table(self.rows, device)
