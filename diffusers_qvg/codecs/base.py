@@ -126,13 +126,9 @@ class CodecConfig(ABC):
     # Largest input magnitude the format stores (None: any finite value).
     max_abs_input: ClassVar[float | None] = None
 
-    def validate_input(self, x: torch.Tensor, what: str = "x") -> None:
-        """Raise a clear error for inputs this codec cannot store: layout first, then values (one host sync)."""
-        self.check_layout(x, what)
-        self.check_values(x, what)
-
     def check_layout(self, x: torch.Tensor, what: str = "x") -> None:
-        """Shape and dtype rules (no device reads); subclasses add their own."""
+        """Raise a clear error for inputs of a shape or dtype this codec cannot store (no device reads);
+        subclasses add their own rules. :meth:`check_values` checks the values."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
