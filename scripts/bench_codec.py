@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import sys
 import time
 
@@ -34,6 +35,7 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 strided init": (dq.QVGConfig(kmeans_init="strided"), False),
         "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
         "qvg-int2 warm start": (dq.QVGConfig(), True),
+        "qvg-int2 128 centroids": (dq.QVGConfig(num_centroids=128), False),
     }
     return rows
 
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name}: done", file=sys.stderr)
     print(
         f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; command: {' '.join(['python', *sys.argv])}\n"
+        f"{torch.get_num_threads()} threads; command: {shlex.join(['python', *sys.argv])}\n"
     )
     print(markdown_table(results))
 
