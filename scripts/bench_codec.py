@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=7, help="chunks in the window (7 = 21 latent frames)")
     parser.add_argument("--queries", type=int, default=256, help="queries sampled from the last chunk")
     parser.add_argument("--sharpness", type=float, default=4.0, help="query scale for the sharp attention error")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: on a shared CPU, multi-threaded ops wait ~10 ms for descheduled workers)",
+    )
     parser.add_argument("--only", nargs="+", metavar="CODEC", help="rows to run (default: all)")
     args = parser.parse_args(argv)
 
@@ -69,6 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.only or ()) - set(rows))
     if unknown:
         parser.error(f"unknown codec rows {unknown}; choose from {list(rows)}")
+    torch.set_num_threads(args.threads)
     spec = SMALL if args.small else VideoKVSpec()
     chunks = 2 if args.small else args.chunks
     queries = 64 if args.small else args.queries
