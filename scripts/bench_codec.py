@@ -58,7 +58,9 @@ def markdown_table(results: dict[str, CodecQuality]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64), seconds")
+    parser.add_argument(
+        "--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64, 64 queries), seconds"
+    )
     parser.add_argument("--chunks", type=int, default=7, help="chunks in the window (7 = 21 latent frames)")
     parser.add_argument("--queries", type=int, default=256, help="queries sampled from the last chunk")
     parser.add_argument("--sharpness", type=float, default=4.0, help="query scale for the sharp attention error")
