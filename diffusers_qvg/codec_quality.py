@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codecs import CodecConfig, Packed, dequantize, quantize
+from .codecs import CodecConfig, Packed, Role, dequantize, quantize
 from .metrics import attention, rel_l2
 from .rotary import apply_wan_rotary
 from .video_kv import VideoKV
@@ -43,7 +43,7 @@ class CodecQuality:
 
 
 def _pack_chunks(
-    codec: CodecConfig, x: torch.Tensor, data: VideoKV, role: str, warm_start: bool, times: dict[str, list[float]]
+    codec: CodecConfig, x: torch.Tensor, data: VideoKV, role: Role, warm_start: bool, times: dict[str, list[float]]
 ) -> tuple[torch.Tensor, int]:
     """Pack and decode ``x`` one chunk at a time; returns the decoded window and the bytes it took."""
     out = torch.empty_like(x)

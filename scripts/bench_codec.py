@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import sys
 import time
 
@@ -34,6 +35,7 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 strided init": (dq.QVGConfig(kmeans_init="strided"), False),
         "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
         "qvg-int2 warm start": (dq.QVGConfig(), True),
+        "qvg-int2 128 centroids": (dq.QVGConfig(num_centroids=128), False),
     }
     return rows
 
@@ -56,10 +58,16 @@ def markdown_table(results: dict[str, CodecQuality]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64), seconds")
+    parser.add_argument(
+        "--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64, 64 queries), seconds"
+    )
     parser.add_argument("--chunks", type=int, default=7, help="chunks in the window (7 = 21 latent frames)")
     parser.add_argument("--queries", type=int, default=256, help="queries sampled from the last chunk")
     parser.add_argument("--sharpness", type=float, default=4.0, help="query scale for the sharp attention error")
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: on a shared CPU, multi-threaded ops wait ~10 ms for descheduled workers)",
+    )
     parser.add_argument("--only", nargs="+", metavar="CODEC", help="rows to run (default: all)")
     args = parser.parse_args(argv)
 
@@ -67,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = sorted(set(args.only or ()) - set(rows))
     if unknown:
         parser.error(f"unknown codec rows {unknown}; choose from {list(rows)}")
+    torch.set_num_threads(args.threads)
     spec = SMALL if args.small else VideoKVSpec()
     chunks = 2 if args.small else args.chunks
     queries = 64 if args.small else args.queries
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name}: done", file=sys.stderr)
     print(
         f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; command: {' '.join(['python', *sys.argv])}\n"
+        f"{torch.get_num_threads()} threads; command: {shlex.join(['python', *sys.argv])}\n"
     )
     print(markdown_table(results))
 
