@@ -142,8 +142,15 @@ def clip_paths(names: tuple[str, ...] = DEFAULT_CLIPS) -> list[Path]:
 @functools.lru_cache(maxsize=4)
 def _decode_clip(path: Path, height: int, width: int, max_frames: int) -> np.ndarray:
     """The first ``max_frames`` frames of a clip (fewer if it is shorter) as uint8 [frames, height, width, 3],
-    scaled to cover ``height x width`` and centre-cropped."""
-    import imageio_ffmpeg
+    scaled to cover ``height x width`` and centre-cropped.
+
+    Decodes with imageio-ffmpeg; where it is absent (the GPU machine has OpenCV but no room to carry a 68 MB
+    ffmpeg wheel) with OpenCV, whose bicubic scaling differs from ffmpeg's in the last bits of a pixel.
+    """
+    try:
+        import imageio_ffmpeg
+    except ImportError:
+        return _decode_clip_opencv(path, height, width, max_frames)
 
     scale = f"scale={width}:{height}:force_original_aspect_ratio=increase,crop={width}:{height}"
     log = logging.getLogger("imageio_ffmpeg")
@@ -157,6 +164,27 @@ def _decode_clip(path: Path, height: int, width: int, max_frames: int) -> np.nda
     if tuple(meta["size"]) != (width, height):
         raise RuntimeError(f"ffmpeg produced {meta['size']} frames from {path}, expected {(width, height)}")
     frames = [np.frombuffer(buf, dtype=np.uint8).reshape(height, width, 3) for buf in reader]
+    if not frames:
+        raise ValueError(f"{path} decoded to no frames")
+    return np.stack(frames)
+
+
+def _decode_clip_opencv(path: Path, height: int, width: int, max_frames: int) -> np.ndarray:
+    import cv2
+
+    capture = cv2.VideoCapture(str(path))
+    frames = []
+    while len(frames) < max_frames:
+        ok, bgr = capture.read()
+        if not ok:
+            break
+        h, w = bgr.shape[:2]
+        scale = max(height / h, width / w)
+        sh, sw = max(height, round(h * scale)), max(width, round(w * scale))
+        bgr = cv2.resize(bgr, (sw, sh), interpolation=cv2.INTER_AREA if scale < 1 else cv2.INTER_CUBIC)
+        top, left = (sh - height) // 2, (sw - width) // 2
+        frames.append(cv2.cvtColor(bgr[top : top + height, left : left + width], cv2.COLOR_BGR2RGB))
+    capture.release()
     if not frames:
         raise ValueError(f"{path} decoded to no frames")
     return np.stack(frames)
