@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
-from test_cache import TEXT, assert_unchanged, latents, snapshot, storage_bytes
+from test_cache import TEXT, assert_unchanged, latents, pointers, snapshot, storage_bytes
 from test_cache_equivalence import generate
 from test_cache_quantized import FRAMES, HEIGHT, QVG, WIDTH, D, video_like
 from wan_helpers import tiny_wan
@@ -186,18 +186,12 @@ def test_steady_state_reuses_storage():
     model = tiny_wan()
     cache = dq.enable_qvg(model, "bf16", window_frames=8, sink_frames=2, **FINAL)
     run_chunks(model, cache, 4)  # the window is full from here on
-
-    def pointers():
-        return [t.data_ptr() for l in cache.layers for s in l.storages() for t in s.tensors().values()] + [
-            cache.workspace.keys.data_ptr()
-        ]
-
-    first = pointers()
+    first = pointers(cache)
     for c in range(4, 9):
         for final in (False, True):
             with cache.chunk(start_frame=c * 2, final=final):
                 model(latents(), torch.tensor([500.0]), TEXT)
-            assert pointers() == first
+            assert pointers(cache) == first
 
 
 # ----------------------------------------------------------------------------------------- errors
@@ -218,17 +212,21 @@ def forward(model, cache, start, final=False, frames=2, batch=1, x=None):
         return model(latents(frames, batch) if x is None else x, torch.tensor([0.0] * batch), TEXT.expand(batch, -1, -1))
 
 
+def refused(model, cache, match, error=ValueError, **kwargs):
+    """``forward(**kwargs)`` raises ``error`` matching ``match`` and leaves every tensor and index as it was."""
+    before = snapshot(cache)
+    with pytest.raises(error, match=match):
+        forward(model, cache, **kwargs)
+    assert_unchanged(cache, before)
+    assert not cache.active
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("final", [False, True])
 def test_advancing_past_a_chunk_without_its_final_pass_raises_before_anything_changes(setup, final):
     model, cache = setup
-    before = snapshot(cache)
-    with pytest.raises(ValueError) as err:
-        forward(model, cache, 6, final=final)
-    for part in ("frame 4 never had its final pass", "cache.chunk(start_frame=4, final=True)", "commit='on-advance'"):
-        assert part in str(err.value)
-    assert_unchanged(cache, before)
-    assert not cache.active
+    fix = r"frame 4 never had its final pass.*cache\.chunk\(start_frame=4, final=True\).*commit='on-advance'"
+    refused(model, cache, fix, start=6, final=final)
 
 
 @torch.no_grad()
@@ -236,10 +234,7 @@ def test_advancing_past_a_chunk_without_its_final_pass_raises_before_anything_ch
 def test_a_chunk_after_its_final_pass_cannot_be_written_again(setup, final):
     model, cache = setup
     forward(model, cache, 4, final=True)
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match="frame 4 already had its final pass.*next chunk starts at frame 6"):
-        forward(model, cache, 4, final=final)
-    assert_unchanged(cache, before)
+    refused(model, cache, "frame 4 already had its final pass.*next chunk starts at frame 6", start=4, final=final)
     with pytest.raises(ValueError, match="already had its final pass"):  # two forwards in one final block
         with cache.chunk(start_frame=6, final=True):
             model(latents(), torch.tensor([0.0]), TEXT)
@@ -250,30 +245,29 @@ def test_a_chunk_after_its_final_pass_cannot_be_written_again(setup, final):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("start", [0, 2, 5, 8, -1])
-def test_non_sequential_chunk_raises_before_anything_changes(setup, start):
+@pytest.mark.parametrize(
+    "start, match",
+    [
+        (0, "frame 0 is not the next chunk to write \\(frame 4\\)"),  # frame 4 is in progress
+        (5, "frame 5 is not the next chunk to write"),
+        (8, "frame 8 is not the next chunk to write"),
+        (-1, "start_frame=-1 is invalid"),
+    ],
+)
+def test_out_of_order_chunks_name_the_expected_frame_and_change_nothing(setup, start, match):
     model, cache = setup
-    before = snapshot(cache)
-    with pytest.raises(ValueError, match="start_frame|not the next chunk|already had its final pass"):
-        forward(model, cache, start, final=True)
-    assert_unchanged(cache, before)
+    refused(model, cache, match, start=start, final=True)
 
 
 @torch.no_grad()
 def test_bad_final_pass_inputs_raise_before_anything_changes_then_the_pass_succeeds(setup):
     model, cache = setup
-    before = snapshot(cache)
-    with pytest.raises(dq.ChunkRewriteSizeError):
-        forward(model, cache, 4, final=True, frames=1)
     bad = latents()
     bad[0, 0, 0, 0, 0] = float("inf")
-    with pytest.raises(ValueError, match="NaN or Inf"):
-        forward(model, cache, 4, final=True, x=bad)
-    with pytest.raises(ValueError, match="batch 2"):
-        forward(model, cache, 4, final=True, batch=2)
-    with pytest.raises(ValueError, match="final=1 is invalid"):
-        forward(model, cache, 4, final=1)
-    assert_unchanged(cache, before)
+    refused(model, cache, "holds 8 tokens", dq.ChunkRewriteSizeError, start=4, final=True, frames=1)
+    refused(model, cache, "NaN or Inf", start=4, final=True, x=bad)
+    refused(model, cache, "batch 2", start=4, final=True, batch=2)
+    refused(model, cache, "final=1 is invalid", start=4, final=1)
     forward(model, cache, 4, final=True)
     assert cache.layout.current is None and cache.layout.next_frame == 6
 
