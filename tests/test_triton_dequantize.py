@@ -111,13 +111,13 @@ def test_non_contiguous_storage_workspace_table_and_rotary():
     storage = QVGPacked(**{**dense.__dict__, **{n: strided(getattr(dense, n)) for n in ("codes", "scales", "zeros", "ids")}})
     assert not storage.codes.is_contiguous()
     table = torch.zeros(3, 8, dtype=torch.int32, device=DEVICE)
-    table[:, ::2] = SEGMENTS
-    segments = table[:, ::2]
+    table[:, ::2] = SEGMENTS.tensor
+    segments = dq.SegmentTable(SEGMENTS.rows, table[:, ::2])
     big = torch.full((2, 14, 3, 128), 7.0, dtype=torch.bfloat16, device=DEVICE)
     out = big[..., ::2]
     cos, sin = random_rotary(14, 64)
     rotary = (cos.expand(1, 14, 3, 64)[:, :, 1:2], torch.cat([sin, sin], dim=-1)[..., ::2])
-    assert not (segments.is_contiguous() or out.is_contiguous() or rotary[1].is_contiguous())
+    assert not (segments.tensor.is_contiguous() or out.is_contiguous() or rotary[1].is_contiguous())
     assert_bit_identical(storage, segments, 14, rotary, out=out)
     assert (big[..., 1::2] == 7.0).all()
 

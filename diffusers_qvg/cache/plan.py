@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codecs import segment_table
+from ..codecs import SegmentTable, segment_table
 from .layout import ChunkLayout
 
 
@@ -18,12 +18,15 @@ from .layout import ChunkLayout
 class ReadPlan:
     """Segment tables per storage (``None`` where nothing is read) and the current chunk's window range.
 
+    The tables are built here, once per layout, with their rows on the host and on the device: every
+    layer's reads validate against the host rows and never synchronise the device.
+
     ``rotary`` is the window's ``(cos, sin)`` [1, W, 1, D]; the current chunk's RoPE is its slice.
     """
 
-    sink: torch.Tensor | None
-    packed: tuple[tuple[int, torch.Tensor], ...]
-    recent: torch.Tensor | None
+    sink: SegmentTable | None
+    packed: tuple[tuple[int, SegmentTable], ...]
+    recent: SegmentTable | None
     current_start: int
     current_tokens: int
     window_tokens: int

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CodecConfig, Packed, Role, segment_table
+from .base import CodecConfig, Packed, Role, SegmentTable, segment_table
 from .dense import BF16Config, DensePacked
 from .kivi import KIVIConfig, KIVIPacked
 from .qvg import QVGConfig, QVGPacked
@@ -36,6 +36,7 @@ __all__ = [
     "QVGConfig",
     "QVGPacked",
     "Role",
+    "SegmentTable",
     "dequantize",
     "quantize",
     "resolve_codec",

@@ -11,25 +11,84 @@ caller's workspace in one call).
 from __future__ import annotations
 
 import math
+import operator
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import ClassVar, Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Iterable, Literal, Sequence
 
 import torch
 
 Role = Literal["key", "value"]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# Columns of a segment table, an int32 tensor [num_segments, 4] on the storage's device.
+# Columns of a segment table row.
 SRC_START, LENGTH, DST_START, SLOT = range(4)
+Row = tuple[int, int, int, int]
+INT32_MAX = 2**31 - 1
 
 
-def segment_table(rows: list[tuple[int, int, int, int]], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Build a segment table from ``(src_start, length, dst_start, slot)`` rows."""
-    table = torch.tensor(rows, dtype=torch.int32, device=device).reshape(-1, 4)
-    if (table[:, LENGTH] < 1).any() or (table[:, [SRC_START, DST_START, SLOT]] < 0).any():
-        raise ValueError(f"segment table rows must have length >= 1 and non-negative starts and slots, got {rows}")
-    return table
+def checked_rows(rows: Iterable[Sequence[int]]) -> tuple[Row, ...]:
+    """``rows`` as a tuple of ``(src_start, length, dst_start, slot)`` ints, or a clear error."""
+    checked = []
+    for row in rows:
+        row = tuple(operator.index(v) for v in row)
+        if len(row) != 4:
+            raise ValueError(f"segment table rows are (src_start, length, dst_start, slot), got {row}")
+        checked.append(row)
+    for src, n, dst, slot in checked:
+        if n < 1 or min(src, dst, slot) < 0:
+            raise ValueError(f"segment table rows must have length >= 1 and non-negative starts and slots, got {checked}")
+        if max(src + n, dst + n, slot) > INT32_MAX:
+            raise ValueError(f"segment table rows must fit int32 (the kernels read them as int32), got {checked}")
+    return tuple(checked)
+
+
+@dataclass(frozen=True, eq=False)  # identity equality: tensors have no single truth value
+class SegmentTable:
+    """Which token ranges of a storage land where in a workspace, validated once on the host.
+
+    ``rows`` are the host copy every check and every PyTorch decoder reads; ``tensor`` is the same rows as
+    an int32 [num_segments, 4] tensor on the storage's device, read only by kernels. So decoding a table
+    never reads device memory on the host (no device sync): build tables with :func:`segment_table` once
+    per layout and reuse them. ``tensor`` must hold ``rows``; :func:`segment_table` guarantees it.
+    """
+
+    rows: tuple[Row, ...]
+    tensor: torch.Tensor
+    src_end: int = field(init=False)  # one past the last storage token read
+    dst_end: int = field(init=False)  # one past the last workspace token written
+    slot_end: int = field(init=False)  # one past the largest slot named
+
+    def __post_init__(self) -> None:
+        rows = checked_rows(self.rows)
+        if self.tensor.dtype != torch.int32 or tuple(self.tensor.shape) != (len(rows), 4):
+            raise ValueError(
+                f"a segment table's tensor must be int32 [{len(rows)}, 4] like its rows, got "
+                f"{self.tensor.dtype} {tuple(self.tensor.shape)}; build tables with segment_table(rows, device)"
+            )
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "src_end", max((r[SRC_START] + r[LENGTH] for r in rows), default=0))
+        object.__setattr__(self, "dst_end", max((r[DST_START] + r[LENGTH] for r in rows), default=0))
+        object.__setattr__(self, "slot_end", max((r[SLOT] + 1 for r in rows), default=0))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def to(self, device: torch.device | str) -> "SegmentTable":
+        return segment_table(self.rows, device)
+
+
+def segment_table(rows: Iterable[Sequence[int]], device: torch.device | str = "cpu") -> SegmentTable:
+    """Build a segment table from ``(src_start, length, dst_start, slot)`` rows, its tensor on ``device``.
+
+    On CUDA the rows travel from pinned memory without blocking: building a table does not synchronise either.
+    """
+    rows = checked_rows(rows)
+    host = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return SegmentTable(rows, host.pin_memory().to(device, non_blocking=True))
+    return SegmentTable(rows, host.to(device))
 
 
 @dataclass
@@ -64,9 +123,12 @@ class CodecConfig(ABC):
     """A storage format's settings; the config is also the codec (one object, one registry line)."""
 
     name: ClassVar[str]
+    # Largest input magnitude the format stores (None: any finite value).
+    max_abs_input: ClassVar[float | None] = None
 
-    def validate_input(self, x: torch.Tensor, what: str = "x") -> None:
-        """Raise a clear error for inputs no codec can store; subclasses add their own rules."""
+    def check_layout(self, x: torch.Tensor, what: str = "x") -> None:
+        """Raise a clear error for inputs of a shape or dtype this codec cannot store (no device reads);
+        subclasses add their own rules. :meth:`check_values` checks the values."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 4:
@@ -78,8 +140,30 @@ class CodecConfig(ABC):
             raise TypeError(f"{what} must be a floating tensor (float16/bfloat16/float32/float64), got {x.dtype}")
         if x.numel() == 0:
             raise ValueError(f"{what} is empty (shape {tuple(x.shape)}); there is nothing to quantize")
-        if not torch.isfinite(x).all():
+
+    def check_values(
+        self, x: torch.Tensor, what: str = "x", must_hold: Sequence[tuple[torch.Tensor, str]] = ()
+    ) -> None:
+        """Raise if ``x`` holds NaN/Inf or magnitudes beyond ``max_abs_input``, or if a ``must_hold`` condition
+        (a boolean device scalar, with the message to raise) is false.
+
+        One reduction (``aminmax`` propagates NaN) and one host sync for all of them: ``quantize_into`` runs
+        for every layer's K and V at every chunk, so it reads the device once.
+        """
+        lo, hi = torch.aminmax(x)
+        stats = torch.stack([lo.double(), hi.double(), *(ok.double() for ok, _ in must_hold)]).tolist()
+        lo, hi, *held = stats
+        if not (math.isfinite(lo) and math.isfinite(hi)):
             raise ValueError(f"{what} contains NaN or Inf values; fix the model output before caching it")
+        amax, limit = max(-lo, hi), self.max_abs_input
+        if limit is not None and amax > limit:
+            raise ValueError(
+                f"{what} has values up to {amax:.3g}; {self.name} stores magnitudes up to 2^{math.log2(limit):g} "
+                f"(~{limit:.2g}), beyond which float32 distances and scales overflow; rescale the tensor"
+            )
+        for ok, (_, message) in zip(held, must_hold):
+            if not ok:
+                raise ValueError(message)
 
     @abstractmethod
     def allocate(
@@ -114,14 +198,15 @@ class CodecConfig(ABC):
         """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
 
         ``warm_start``/``warm_slot`` name a slot of earlier storage whose parameters (QVG's centroids)
-        seed this one; formats without such parameters ignore them.
+        seed this one; formats without such parameters ignore them. Implementations validate with
+        :meth:`check_storage_fits` and their own layout rules, then :meth:`check_values` (the one sync).
         """
 
     @abstractmethod
     def dequantize_into(
         self,
         storage: Packed,
-        segments: torch.Tensor,
+        segments: SegmentTable,
         out: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
@@ -129,12 +214,14 @@ class CodecConfig(ABC):
 
         With ``rotary=(cos, sin)`` (each [1, W, 1, D], aligned with ``out``'s tokens) the decoded tokens are
         rotated by Wan's RoPE (:func:`diffusers_qvg.rotary.apply_wan_rotary`) before the cast to ``out``'s
-        dtype: keys stored before RoPE come out as the attention expects them.
+        dtype: keys stored before RoPE come out as the attention expects them. Validation reads only the
+        table's host rows, so a call never synchronises the device.
         """
 
     def check_storage_fits(self, storage: Packed, x: torch.Tensor, token_start: int, slot: int) -> None:
-        """Validate a ``quantize_into`` call before anything is written."""
-        self.validate_input(x)
+        """Validate a ``quantize_into`` call's layout before anything is written (no device reads; the
+        values are :meth:`check_values`'s)."""
+        self.check_layout(x)
         if storage.config != self:
             raise ValueError(
                 f"this storage was allocated by {storage.config!r}, not by {self!r}; "
@@ -159,13 +246,16 @@ class CodecConfig(ABC):
     def check_segments(
         self,
         storage: Packed,
-        segments: torch.Tensor,
+        segments: SegmentTable,
         out: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        """Validate a ``dequantize_into`` call (shapes and ranges) before anything is written."""
-        if segments.dtype != torch.int32 or segments.dim() != 2 or segments.shape[1] != 4:
-            raise ValueError(f"segments must be an int32 tensor [num_segments, 4], got {segments.dtype} {tuple(segments.shape)}")
+        """Validate a ``dequantize_into`` call before anything is written, from the table's host rows only."""
+        if not isinstance(segments, SegmentTable):
+            raise TypeError(
+                f"segments must be a SegmentTable, got {type(segments).__name__}; build it once with "
+                "segment_table(rows, device) and reuse it"
+            )
         B, T, H, D = storage.shape
         if out.dim() != 4 or (out.shape[0], out.shape[2], out.shape[3]) != (B, H, D):
             raise ValueError(f"out must have shape [{B}, window, {H}, {D}], got {tuple(out.shape)}")
@@ -176,20 +266,16 @@ class CodecConfig(ABC):
             for t in rotary:
                 if t.dim() != 4 or t.shape[1] != W or t.shape[-1] != D:
                     raise ValueError(f"rotary cos/sin must have shape [1, {W}, 1, {D}] to match out, got {tuple(t.shape)}")
-        if len(segments):
-            rows = segments.cpu().long()
-            if (rows[:, LENGTH] < 1).any() or (rows[:, SRC_START] < 0).any() or (rows[:, DST_START] < 0).any():
-                raise ValueError("segment rows need length >= 1 and non-negative starts")
-            if (rows[:, SRC_START] + rows[:, LENGTH] > T).any():
-                raise ValueError(f"a segment reads past the storage capacity {T}")
-            if (rows[:, DST_START] + rows[:, LENGTH] > out.shape[1]).any():
-                raise ValueError(f"a segment writes past the workspace length {out.shape[1]}")
-            if ((rows[:, SLOT] < 0) | (rows[:, SLOT] >= storage.num_slots)).any():
-                raise ValueError(f"a segment names a slot outside [0, {storage.num_slots})")
+        if segments.src_end > T:
+            raise ValueError(f"a segment reads tokens up to {segments.src_end}, past the storage capacity {T}")
+        if segments.dst_end > out.shape[1]:
+            raise ValueError(f"a segment writes tokens up to {segments.dst_end}, past the workspace length {out.shape[1]}")
+        if segments.slot_end > storage.num_slots:
+            raise ValueError(f"a segment names slot {segments.slot_end - 1}, outside [0, {storage.num_slots})")
 
     def quantize(self, x: torch.Tensor, *, role: Role = "value", warm_start: Packed | None = None) -> Packed:
-        """Pack one tensor as a single segment."""
-        self.validate_input(x)
+        """Pack one tensor as a single segment (``quantize_into`` checks the values)."""
+        self.check_layout(x)
         B, N, H, D = x.shape
         storage = self.allocate(
             batch=B, capacity_tokens=N, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=x.device, role=role

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..rotary import apply_wan_rotary, compute_dtype_for
-from .base import CodecConfig, Packed, Role
+from .base import CodecConfig, Packed, Role, SegmentTable
 
 
 @dataclass
@@ -44,11 +44,12 @@ class BF16Config(CodecConfig):
         warm_slot: int = 0,
     ) -> None:
         self.check_storage_fits(storage, x, token_start, slot)
+        self.check_values(x)
         storage.values[:, token_start : token_start + x.shape[1]].copy_(x)
 
-    def dequantize_into(self, storage: DensePacked, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:
+    def dequantize_into(self, storage: DensePacked, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         self.check_segments(storage, segments, out, rotary)
-        for src, n, dst, _ in segments.tolist():
+        for src, n, dst, _ in segments.rows:
             tokens = storage.values[:, src : src + n]
             if rotary is not None:
                 cos, sin = (t[:, dst : dst + n] for t in rotary)

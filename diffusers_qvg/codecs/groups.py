@@ -23,16 +23,6 @@ MSE_CANDIDATES = 14  # alpha_j = 1 - j/20, j = 0..13: from the absmax scale down
 MAX_ABS_INPUT = 2.0**50
 
 
-def check_magnitude(x: torch.Tensor, what: str = "x") -> None:
-    """Raise if ``x`` holds values too large for float32 scales and distances (a host sync)."""
-    amax = x.abs().amax().item()
-    if amax > MAX_ABS_INPUT:
-        raise ValueError(
-            f"{what} has values up to {amax:.3g}; quantized formats store magnitudes up to 2^50 (~1.1e15), beyond "
-            "which float32 distances and scales overflow; rescale the tensor"
-        )
-
-
 def pow2_at_least(v: torch.Tensor) -> torch.Tensor:
     """``2^ceil(log2 v)`` for ``v > 0`` and 1 where ``v == 0``, exactly (no ``log2`` rounding).
 

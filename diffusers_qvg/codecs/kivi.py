@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 
 from ..rotary import apply_wan_rotary, compute_dtype_for
-from .base import CodecConfig, Packed, Role
-from .groups import check_magnitude, dequantize_groups, quantize_groups
+from .base import CodecConfig, Packed, Role, SegmentTable
+from .groups import MAX_ABS_INPUT, dequantize_groups, quantize_groups
 from .qvg.format import pack_digits, unpack_digits
 
 
@@ -40,6 +40,7 @@ class KIVIConfig(CodecConfig):
     (KIVI uses 32; 40 here so that a 1560-token Wan latent frame holds whole groups)."""
 
     name: ClassVar[str] = "kivi"
+    max_abs_input: ClassVar[float] = MAX_ABS_INPUT
 
     bits: int = 2
     group_size: int = 32
@@ -57,9 +58,8 @@ class KIVIConfig(CodecConfig):
     def qmax(self) -> int:
         return 2**self.bits - 1
 
-    def validate_input(self, x: torch.Tensor, what: str = "x") -> None:
-        super().validate_input(x, what)
-        check_magnitude(x, what)
+    def check_layout(self, x: torch.Tensor, what: str = "x") -> None:
+        super().check_layout(x, what)
         if x.shape[-1] % self.group_size:
             raise ValueError(
                 f"head_dim {x.shape[-1]} is not divisible by group_size {self.group_size}; pick one that divides it"
@@ -107,6 +107,7 @@ class KIVIConfig(CodecConfig):
                 f"key segments must start on a multiple of key_group_tokens={g}, got token_start={token_start}; "
                 "use a key_group_tokens that divides your chunk length"
             )
+        self.check_values(x)
         B, N, H, D = x.shape
         f = compute_dtype_for(x.dtype)
         x = x.to(f)
@@ -129,11 +130,11 @@ class KIVIConfig(CodecConfig):
         storage.zeros[:, rows] = codes.zeros
         storage.scale_shift[slot] = codes.shift
 
-    def dequantize_into(self, storage: KIVIPacked, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:
+    def dequantize_into(self, storage: KIVIPacked, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         self.check_segments(storage, segments, out, rotary)
         B, _, H, D = storage.shape
         f = compute_dtype_for(storage.dtype)
-        for src, n, dst, slot in segments.tolist():
+        for src, n, dst, slot in segments.rows:
             u = unpack_digits(storage.codes[:, src : src + n], 2**self.bits, 8 // self.bits, D)  # [B, n, H, D]
             shift = storage.scale_shift[slot].view(B, 1, H, 1)
             if storage.role == "key":

@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Literal, NamedTuple
 
 import torch
 
+from ..base import SegmentTable
 from ..groups import scale_candidates
 from .config import QVGConfig
 from .format import QVGPacked
@@ -51,7 +52,7 @@ def use_triton(device: torch.device, unsupported: str | None) -> bool:
 
 def dequantize_into(
     storage: QVGPacked,
-    segments: torch.Tensor,
+    segments: SegmentTable,
     out: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:

@@ -8,8 +8,8 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..base import CodecConfig, Packed, Role
-from ..groups import check_magnitude
+from ..base import CodecConfig, Packed, Role, SegmentTable
+from ..groups import MAX_ABS_INPUT
 
 CentroidDType = Literal["e4m3", "bfloat16", "float16", "float32"]
 MAX_CENTROIDS = 2**15  # ids are stored as uint8 (K <= 256) or int16
@@ -44,6 +44,7 @@ class QVGConfig(CodecConfig):
     """
 
     name: ClassVar[str] = "qvg"
+    max_abs_input: ClassVar[float] = MAX_ABS_INPUT
 
     bits: int = 2
     symmetric: bool = True
@@ -161,14 +162,13 @@ class QVGConfig(CodecConfig):
     def with_(self, **changes) -> "QVGConfig":
         return replace(self, **changes)
 
-    def validate_input(self, x: torch.Tensor, what: str = "x") -> None:
-        super().validate_input(x, what)
+    def check_layout(self, x: torch.Tensor, what: str = "x") -> None:
+        super().check_layout(x, what)
         D = x.shape[-1]
         if D % self.group_size:
             raise ValueError(
                 f"head_dim {D} is not divisible by group_size {self.group_size}; pick a group_size that divides it"
             )
-        check_magnitude(x, what)
         if self.stages and self.centroids > x.shape[1]:
             raise ValueError(
                 f"num_centroids {self.centroids} exceeds the {x.shape[1]} tokens of the segment; "
@@ -192,12 +192,16 @@ class QVGConfig(CodecConfig):
         warm_start: Packed | None = None,
         warm_slot: int = 0,
     ) -> None:
-        from .encode import quantize_into
+        from .encode import check_warm_start, quantize_into
 
         self.check_storage_fits(storage, x, token_start, slot)
+        must_hold = ()
+        if warm_start is not None and self.stages:
+            must_hold = (check_warm_start(self, storage, warm_start, warm_slot),)
+        self.check_values(x, must_hold=must_hold)
         quantize_into(self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot)
 
-    def dequantize_into(self, storage: Packed, segments: torch.Tensor, out: torch.Tensor, rotary=None) -> None:
+    def dequantize_into(self, storage: Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         from .backend import dequantize_into
 
         self.check_segments(storage, segments, out, rotary)

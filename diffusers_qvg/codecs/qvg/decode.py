@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...rotary import apply_wan_rotary, compute_dtype_for
+from ..base import SegmentTable
 from ..groups import dequantize_groups
 from .format import QVGPacked, unpack_codes
 
@@ -49,11 +50,12 @@ def decode_tokens(storage: QVGPacked, src: int, length: int, slot: int) -> torch
 
 def dequantize_into(
     storage: QVGPacked,
-    segments: torch.Tensor,
+    segments: SegmentTable,
     out: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    for src, n, dst, slot in segments.tolist():
+    """Decode each segment in turn from the table's host rows (later rows win where destinations overlap)."""
+    for src, n, dst, slot in segments.rows:
         x = decode_tokens(storage, src, n, slot)
         if rotary is not None:
             cos, sin = (t[:, dst : dst + n] for t in rotary)

@@ -34,8 +34,14 @@ def round_centroids(centroids: torch.Tensor, config: QVGConfig) -> tuple[torch.T
     return stored, scales.to(torch.float32)
 
 
-def check_warm_start(config: QVGConfig, storage: QVGPacked, warm_start: Packed, warm_slot: int) -> None:
-    """Raise before anything is written if ``warm_start``/``warm_slot`` cannot seed this segment."""
+def check_warm_start(
+    config: QVGConfig, storage: QVGPacked, warm_start: Packed, warm_slot: int
+) -> tuple[torch.Tensor, str]:
+    """Raise before anything is written if ``warm_start``/``warm_slot`` cannot seed this segment.
+
+    Returns what only the device knows (was the slot written?) as a boolean scalar and its error message,
+    for :meth:`~diffusers_qvg.CodecConfig.check_values` to read in the call's one sync.
+    """
     if not isinstance(warm_start, QVGPacked):
         raise TypeError(f"warm_start must be QVG storage (QVGPacked), got {type(warm_start).__name__}")
     B, _, H, D = storage.shape
@@ -50,8 +56,8 @@ def check_warm_start(config: QVGConfig, storage: QVGPacked, warm_start: Packed, 
         raise ValueError(f"warm_start is on {warm_start.device} but the storage is on {storage.device}")
     if not 0 <= warm_slot < warm_start.num_slots:
         raise ValueError(f"warm_slot {warm_slot} is outside the warm_start storage's {warm_start.num_slots} slots")
-    if not (warm_start.scale_shift[warm_slot] > 0).all():
-        raise ValueError(f"warm_slot {warm_slot} of warm_start was never written; warm-start from a packed segment")
+    written = (warm_start.scale_shift[warm_slot] > 0).all()
+    return written, f"warm_slot {warm_slot} of warm_start was never written; warm-start from a packed segment"
 
 
 def quantize_into(
@@ -66,10 +72,8 @@ def quantize_into(
 ) -> None:
     """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
 
-    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x`` against the storage.
+    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x`` and ``warm_start`` against the storage.
     """
-    if warm_start is not None and config.stages:
-        check_warm_start(config, storage, warm_start, warm_slot)
     B, N, H, D = x.shape
     K, f = config.centroids, compute_dtype_for(x.dtype)
 

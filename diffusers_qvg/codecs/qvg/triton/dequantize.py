@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...base import SegmentTable
 from ..format import QVGPacked
 from . import INTERPRETING, centroid_scale_operand, check_runnable
 from .centroids import stage_centroids
@@ -150,17 +151,19 @@ def _dequantize_kernel(
 
 def dequantize_into(
     storage: QVGPacked,
-    segments: torch.Tensor,
+    segments: SegmentTable,
     out: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Triton twin of :func:`..decode.dequantize_into` (one launch per storage; K and V are two launches).
 
-    Expects a call already validated by ``QVGConfig.check_segments``; checks what only the kernel needs.
+    Expects a call already validated by ``QVGConfig.check_segments``; checks what only the kernel needs. The
+    kernel reads the table's device tensor; the host needs only its row count.
     """
     cfg = storage.config
     B, _, H, D = storage.shape
-    check_runnable(out, segments, storage.codes, *(rotary or ()))
+    table = segments.tensor
+    check_runnable(out, table, storage.codes, *(rotary or ()))
     if out.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"the Triton decoder writes bfloat16/float16/float32 workspaces, got {out.dtype}; use the torch backend")
     if rotary is not None and any(t.dtype != torch.float32 for t in rotary):
@@ -176,11 +179,11 @@ def dequantize_into(
     num_rows = W * H
     grid = (triton.cdiv(num_rows, BLOCK_ROWS), B)
     _dequantize_kernel[grid](
-        out, segments, cos, sin,
+        out, table, cos, sin,
         storage.codes, storage.scales, zeros, storage.ids, storage.centroids, cscale,
         storage.scale_shift,
         len(segments), num_rows, H,
-        *out.stride(), *segments.stride(), cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3),
+        *out.stride(), *table.stride(), cos.stride(1), cos.stride(3), sin.stride(1), sin.stride(3),
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
         *storage.centroids.stride(), *cscale_strides, *storage.scale_shift.stride(),
         D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes, BITS=cfg.bits,
