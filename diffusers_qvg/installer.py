@@ -56,7 +56,8 @@ def enable_qvg(
 
     ``storage`` names the packed history's codec (``"qvg-int2"``, ``"bf16"``, ...) or is a codec config;
     ``options`` are the other :class:`CacheConfig` fields (``keep_recent_chunks``, ``sink_storage``,
-    ``keys_before_rope``, ``warm_start``, ``chunk_frames``).
+    ``keys_before_rope``, ``warm_start``, ``chunk_frames``, ``commit``, ``expected_frames``). With
+    ``commit="final-pass"`` run each chunk's clean-context pass inside ``cache.chunk(start_frame=f, final=True)``.
     """
     registry = getattr(getattr(transformer, "rope", None), "_diffusers_hook", None)
     if registry is not None and registry.get_hook(ROPE_OFFSET_HOOK) is not None:

@@ -138,6 +138,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         kv_cache: Any = "qvg-int2",
         window_frames: int | None = None,
         sink_frames: int = 0,
+        keep_recent_chunks: int = 1,
         frames_per_chunk: int = 3,
         denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
         context_noise: float = 0.0,
@@ -192,6 +193,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             kv_cache=kv_cache,
             window_frames=window_frames,
             sink_frames=sink_frames,
+            keep_recent_chunks=keep_recent_chunks,
             latent_shape=latent_shape,
             num_chunks=num_chunks,
             guidance_scale=guidance_scale,
@@ -222,6 +224,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         kv_cache: Any = "qvg-int2",
         window_frames: int | None = None,
         sink_frames: int = 0,
+        keep_recent_chunks: int = 1,
         frames_per_chunk: int = 3,
         denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
         context_noise: float = 0.0,
@@ -248,6 +251,8 @@ class QVGCausalWanPipeline(DiffusionPipeline):
                 ``"kivi-int2"`` or a codec config such as ``diffusers_qvg.QVGConfig(...)``.
             window_frames: latent frames attended to (counting the sink and the chunk); ``None``: all.
             sink_frames: first latent frames never evicted (LongLive uses 3 with a window of 12).
+            keep_recent_chunks: finished chunks kept unquantized before they are packed (1; 0 packs every chunk
+                at its clean-context pass, the smallest cache). The chunk being denoised is never stored.
             frames_per_chunk: latent frames per chunk (Self-Forcing: 3).
             denoising_timesteps: before the shift-5 warp (Self-Forcing: 1000, 750, 500, 250).
             context_noise: timestep of the forward that writes a finished chunk's clean K/V (0).
@@ -263,7 +268,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         state = self.stream(
             prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
             kv_cache=kv_cache, window_frames=window_frames, sink_frames=sink_frames,
-            frames_per_chunk=frames_per_chunk, denoising_timesteps=denoising_timesteps,
+            keep_recent_chunks=keep_recent_chunks, frames_per_chunk=frames_per_chunk, denoising_timesteps=denoising_timesteps,
             context_noise=context_noise, guidance_scale=guidance_scale,
             num_videos_per_prompt=num_videos_per_prompt, generator=generator, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, output_type=output_type,

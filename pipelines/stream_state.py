@@ -3,8 +3,10 @@
 The chunk loop of Self-Forcing (``pipeline/causal_inference.py``), written for diffusers: per chunk of
 ``frames_per_chunk`` latent frames, fresh noise is denoised by a few forwards (x0 prediction, then re-noising
 to the next sigma: ``FlowMatchLCMScheduler.step``), then one more forward at ``context_noise`` on the clean x0
-writes the chunk's final K/V into the cache, and the chunk is decoded. Every forward runs inside
-``cache.chunk(start_frame=...)``: the same start rewrites the chunk, the next start advances the cache.
+writes the chunk's final K/V into the cache, and the chunk is decoded. The cache runs with
+``commit="final-pass"``: the denoising forwards (``cache.chunk(start_frame=f)``) attend to the cache and to
+their own K/V but store nothing; the clean-context pass (``cache.chunk(start_frame=f, final=True)``) stores the
+chunk straight into its final place, so no BF16 slot is held for the chunk being denoised.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class QVGStreamState:
         kv_cache: Any,
         window_frames: int | None,
         sink_frames: int,
+        keep_recent_chunks: int,
         latent_shape: tuple[int, int, int, int, int],
         num_chunks: int | None,
         guidance_scale: float,
@@ -66,7 +69,11 @@ class QVGStreamState:
         self.decoder = StreamingWanDecoder(pipe.vae) if output_type != "latent" else None
         self.chunk_index = 0
         self._step = 0
-        self.cache = enable_qvg(pipe.transformer, kv_cache, window_frames=window_frames, sink_frames=sink_frames)
+        self.cache = enable_qvg(
+            pipe.transformer, kv_cache, window_frames=window_frames, sink_frames=sink_frames,
+            keep_recent_chunks=keep_recent_chunks, commit="final-pass",
+            expected_frames=None if num_chunks is None else num_chunks * latent_shape[2],
+        )
         self.closed = False
         # diffusers' bar needs a total or an iterable: an endless stream counts against an endless iterable.
         forwards = len(sigmas) + 1
@@ -130,8 +137,8 @@ class QVGStreamState:
             latents = scheduler.step(flow, t, latents, generator=self.generator, return_dict=False)[0]
             latents = self._callback(t, latents)
             self._progress.update()
-        # The last step re-noises to sigma 0: ``latents`` is the chunk's x0. Write its clean K/V.
-        self._forward(latents, torch.tensor(self.context_noise, device=latents.device))
+        # The last step re-noises to sigma 0: ``latents`` is the chunk's x0. Store its clean K/V.
+        self._forward(latents, torch.tensor(self.context_noise, device=latents.device), final=True)
         self._progress.update()
         self.chunk_index += 1
         if self.decoder is None:
@@ -139,8 +146,9 @@ class QVGStreamState:
         video = self.decoder.decode(latents)
         return pipe.video_processor.postprocess_video(video, output_type=self.output_type)
 
-    def _forward(self, latents: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """The flow prediction for the current chunk (CFG as one batch over one cache), in float32."""
+    def _forward(self, latents: torch.Tensor, t: torch.Tensor, final: bool = False) -> torch.Tensor:
+        """The flow prediction for the current chunk (CFG as one batch over one cache), in float32; ``final``:
+        the clean-context pass, which stores the chunk's K/V."""
         transformer = self.pipe.transformer
         model_input = latents.to(transformer.dtype)
         text = self.prompt_embeds
@@ -148,7 +156,7 @@ class QVGStreamState:
             model_input = torch.cat([model_input, model_input])
             text = torch.cat([self.negative_prompt_embeds, self.prompt_embeds])
         timestep = t.to(torch.float32).expand(model_input.shape[0])
-        with self.cache.chunk(start_frame=self.start_frame):
+        with self.cache.chunk(start_frame=self.start_frame, final=final):
             flow = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=text,
                                return_dict=False)[0].float()
         if self.do_classifier_free_guidance:

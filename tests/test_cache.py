@@ -156,20 +156,21 @@ def test_memory_report_is_exact(setup):
     assert report.bf16_equivalent == report.cached_tokens * HEADS * HEAD_DIM * 2 * 2 * 2
 
 
+def pointers(cache):
+    """Where every storage tensor and the workspace live (unchanged: nothing was allocated)."""
+    return [t.data_ptr() for l in cache.layers for s in l.storages() for t in s.tensors().values()] + [
+        cache.workspace.keys.data_ptr()
+    ]
+
+
 @torch.no_grad()
 def test_steady_state_reuses_storage(setup):
     model, cache = setup
     forward(model, cache, 6)  # the window is full from here on
-
-    def pointers():
-        return [t.data_ptr() for l in cache.layers for s in l.storages() for t in s.tensors().values()] + [
-            cache.workspace.keys.data_ptr()
-        ]
-
-    first = pointers()
+    first = pointers(cache)
     for c in range(4, 9):
         forward(model, cache, c * 2)
-        assert pointers() == first
+        assert pointers(cache) == first
 
 
 def test_stock_outputs_without_an_active_chunk_and_after_disable():

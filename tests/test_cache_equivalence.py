@@ -10,8 +10,10 @@ from diffusers_qvg.rope_offset import ROPE_OFFSET_HOOK, RopeOffsetHook
 STEPS = (900.0, 600.0, 300.0)  # rewrites of the current chunk, then a commit pass at t=0
 
 
-def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1, device="cpu"):
-    """Run the autoregressive loop; return the largest difference from the full masked forward."""
+def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed=1, device="cpu", final_pass=False):
+    """Run the autoregressive loop; return the largest difference from the full masked forward.
+
+    ``final_pass``: run the commit pass (t=0) inside ``cache.chunk(..., final=True)``."""
     g = torch.Generator().manual_seed(seed)
     text = torch.randn(1, 5, 32, generator=g, dtype=torch.float64).to(device)
     clean, start, worst = [], 0, 0.0
@@ -19,7 +21,7 @@ def generate(model, cache, chunk_frames, sink_frames=0, window_frames=None, seed
         mask = visibility_mask(list(chunk_frames[: c + 1]), sink_frames, window_frames).to(device)
         for t in (*STEPS, 0.0):
             x = torch.randn(1, 16, frames, HEIGHT, WIDTH, generator=g, dtype=torch.float64).to(device)
-            with cache.chunk(start_frame=start):
+            with cache.chunk(start_frame=start, final=final_pass and t == 0.0):
                 out = model(x, torch.tensor([t], dtype=torch.float64, device=device), text).sample
             ref = reference_forward(model, [*clean, x], [0.0] * c + [t], text, mask)
             worst = max(worst, (out - ref).abs().max().item())

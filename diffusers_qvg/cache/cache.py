@@ -10,11 +10,21 @@ A forward at the current chunk's start rewrites it (same size); a forward at its
 chunk becomes final, joins the sink or the recent chunks, the oldest recent chunk is packed, and chunks
 that left the window are evicted. Classifier-free guidance: run both branches as one batch (the cache's
 batch is the forward's batch, fixed at the first write); separate branch calls would rewrite each other.
+
+With ``commit="final-pass"`` the denoising forwards store nothing, and the clean-context pass says so::
+
+    cache = diffusers_qvg.enable_qvg(transformer, "qvg-int2", commit="final-pass")
+    for t in denoising_timesteps:
+        with cache.chunk(start_frame=f):              # attends to the cache and its own K/V, stores nothing
+            transformer(noisy_latents, t, prompt_embeds)
+    with cache.chunk(start_frame=f, final=True):      # stores the chunk: sink, recent slot or packed pool
+        transformer(clean_latents, 0, prompt_embeds)
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -24,10 +34,20 @@ from ..rope_offset import wan_rope_for_frames
 from ..rotary import compute_dtype_for
 from .config import CacheConfig
 from .layer import LayerCache
-from .layout import ChunkLayout
+from .layout import ChunkLayout, Move
 from .memory import MemoryReport
 from .plan import ReadPlan, build_read_plan, window_frame_ids
 from .workspace import Workspace
+
+
+@dataclass
+class Commit:
+    """A clean-context pass in flight: every layer carries out ``moves`` after attending; then the cache
+    adopts ``layout``."""
+
+    layout: ChunkLayout
+    moves: list[Move]
+    layers_done: set[int] = field(default_factory=set)
 
 
 class QVGCache:
@@ -40,6 +60,7 @@ class QVGCache:
         self.workspace = Workspace()
         self.guard = guard
         self.active_start: int | None = None
+        self.active_final = False
         self.reset()
 
     @property
@@ -54,23 +75,37 @@ class QVGCache:
         self.geometry: tuple[int, int, int, torch.dtype, torch.device] | None = None
         self.plan: ReadPlan | None = None
         self.planned: tuple[ChunkLayout, ReadPlan] | None = None
+        self.commit: Commit | None = None
+        self.interrupted: str | None = None
         for layer in self.layers:
             layer.ring, layer.sink, layer.blocks = None, None, []
         self.workspace.release()
 
     @contextmanager
-    def chunk(self, start_frame: int) -> Iterator["QVGCache"]:
-        """Forwards inside write the chunk starting at latent frame ``start_frame`` and attend to the cache."""
+    def chunk(self, start_frame: int, final: bool = False) -> Iterator["QVGCache"]:
+        """Forwards inside write the chunk starting at latent frame ``start_frame`` and attend to the cache.
+
+        ``final=True`` marks the chunk's clean-context pass: under ``commit="final-pass"`` its one forward
+        stores the chunk for good; under ``"on-advance"`` it changes nothing (the next chunk makes it final).
+        """
         if self.active:
             raise RuntimeError(f"a chunk at frame {self.active_start} is already active; chunk blocks do not nest")
-        self.layout.check_start(start_frame)
+        if self.interrupted is not None:
+            raise RuntimeError(self.interrupted)
+        self.layout.check_start(start_frame, final)
         if self.guard is not None:
             self.guard()
-        self.active_start, self.plan = start_frame, None
+        self.active_start, self.active_final, self.plan = start_frame, final, None
         try:
             yield self
         finally:
-            self.active_start, self.plan = None, None
+            if self.commit is not None and self.commit.layers_done:
+                self.interrupted = (
+                    f"the clean-context pass of the chunk at frame {start_frame} stopped after "
+                    f"{len(self.commit.layers_done)} of {len(self.layers)} layers stored it, so the layers disagree; "
+                    "call cache.reset() and generate the video again"
+                )
+            self.active_start, self.active_final, self.plan, self.commit = None, False, None, None
 
     def begin_forward(
         self, rope: torch.nn.Module, hidden_states: torch.Tensor, frames: int, height: int, width: int
@@ -79,6 +114,11 @@ class QVGCache:
 
         Returns the chunk's RoPE ``(cos, sin)`` at its global frame positions.
         """
+        if self.commit is not None and self.commit.layers_done:
+            raise RuntimeError(
+                "the previous forward stopped part-way through its clean-context pass; leave the cache.chunk(...) "
+                "block, call cache.reset() and generate the video again"
+            )
         layout, moves = self.layout.plan(self.active_start, frames, height, width)
         if self.geometry is not None:
             B, _, _, _, device = self.geometry
@@ -96,14 +136,23 @@ class QVGCache:
             dtype = compute_dtype_for(hidden_states.dtype)
             rotary = tuple(t.to(dtype) for t in wan_rope_for_frames(rope, window_frame_ids(layout), height, width))
             self.planned = (layout, build_read_plan(layout, rotary, hidden_states.device))
+        final = self.active_final and self.config.commit == "final-pass"
+        commit = Commit(*layout.finalize()) if final else None
         for move in moves:
             for layer in self.layers:
                 layer.apply(move, layout)
         self.layout = layout
         self.plan = self.planned[1]
+        self.commit = commit
         if self.geometry is not None:
             self.reserve_workspace()
         return self.plan.current_rotary
+
+    def layer_committed(self, index: int) -> None:
+        """Layer ``index`` stored its part of the clean-context pass; once all have, the chunk is final."""
+        self.commit.layers_done.add(index)
+        if len(self.commit.layers_done) == len(self.layers):
+            self.layout, self.commit = self.commit.layout, None
 
     def require_plan(self) -> ReadPlan:
         if self.plan is None:
@@ -143,9 +192,9 @@ class QVGCache:
         layout, cfg = self.layout, self.config
         if cfg.window_frames is not None:
             tokens = cfg.window_frames * layout.tokens_per_frame
-        else:
-            blocks = max(1, layout.num_blocks) * layout.block_slots
-            tokens = cfg.sink_frames * layout.tokens_per_frame + (blocks + layout.ring_slots) * layout.slot_tokens
+        else:  # sink, packed pool, recent chunks and the current chunk
+            chunks = max(1, layout.num_blocks) * layout.block_slots + cfg.keep_recent_chunks + 1
+            tokens = cfg.sink_frames * layout.tokens_per_frame + chunks * layout.slot_tokens
         self.workspace.reserve(B * tokens * H * D, dtype, device)
 
     def allocate(self, codec: CodecConfig, tokens: int, slots: int) -> tuple[Packed, Packed]:
@@ -171,7 +220,7 @@ class QVGCache:
             sink += sum(s.nbytes for s in layer.sink or ())
             packed += sum(s.nbytes for kv in layer.blocks for s in kv)
             ring += sum(s.nbytes for s in layer.ring or ())
-        current = ring // self.layout.ring_slots
+        current = ring * self.config.current_slots // self.layout.ring_slots if ring else 0
         tokens = sum(c.tokens for c in self.layout.chunks)
         per_token = 0
         if self.geometry is not None:

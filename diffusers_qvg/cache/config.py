@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from ..codecs import BF16Config, CodecConfig, resolve_codec
 
@@ -10,6 +11,12 @@ from ..codecs import BF16Config, CodecConfig, resolve_codec
 @dataclass(frozen=True)
 class CacheConfig:
     """Where each chunk of a layer's K/V lives, oldest to newest: sink, packed history, recent, current.
+
+    ``commit`` says when a chunk's K/V are stored for later chunks. ``"on-advance"``: every forward writes
+    the chunk into a BF16 slot of its own, and the chunk is final when the next one starts. ``"final-pass"``:
+    denoising forwards attend to their fresh K/V but store nothing; the forward inside
+    ``cache.chunk(start_frame=f, final=True)`` (the clean-context pass) stores them straight where a finished
+    chunk goes (sink, a recent slot, or the packed pool), so no current-chunk slot exists.
 
     Fields:
         storage: codec of the packed history (a preset name such as ``"qvg-int2"`` or a codec config).
@@ -22,6 +29,9 @@ class CacheConfig:
             the rotated keys.
         warm_start: seed a chunk's k-means with the previously packed chunk's parameters (QVG only).
         chunk_frames: the largest chunk in frames (the size of a slot); ``None`` takes the first chunk's.
+        commit: ``"on-advance"`` or ``"final-pass"`` (above).
+        expected_frames: latent frames the stream is expected to span (a pipeline knows them): the packed
+            pool is preallocated for exactly those chunks rather than in blocks of 8 (it still grows beyond).
     """
 
     storage: CodecConfig | str = "bf16"
@@ -32,6 +42,8 @@ class CacheConfig:
     keys_before_rope: bool = True
     warm_start: bool = False
     chunk_frames: int | None = None
+    commit: Literal["on-advance", "final-pass"] = "on-advance"
+    expected_frames: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage", resolve_codec(self.storage))
@@ -40,7 +52,9 @@ class CacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} is invalid: use a non-negative integer")
-        for name in ("window_frames", "chunk_frames"):
+        if self.commit not in ("on-advance", "final-pass"):
+            raise ValueError(f"commit={self.commit!r} is invalid: use 'on-advance' or 'final-pass'")
+        for name in ("window_frames", "chunk_frames", "expected_frames"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid: use a positive number of latent frames or None")
@@ -54,3 +68,8 @@ class CacheConfig:
     def dense(self) -> CodecConfig:
         """The codec of the recent and current chunks (unquantized, in the model's dtype)."""
         return BF16Config()
+
+    @property
+    def current_slots(self) -> int:
+        """Unquantized slots for the chunk being denoised: 1 when every forward stores it, else 0."""
+        return int(self.commit == "on-advance")

@@ -1,8 +1,9 @@
 """One layer's K/V storage and its narrow verb, :meth:`LayerCache.update`.
 
-Per layer: a ring of unquantized chunk slots (the current chunk and ``keep_recent_chunks`` recent ones),
-the sink storage, and blocks of packed storage; the shared :class:`~.layout.ChunkLayout` says which slot
-holds which chunk. Storage is allocated on the first write and reused afterwards.
+Per layer: a ring of unquantized chunk slots (``keep_recent_chunks`` recent chunks, and the current one
+under ``commit="on-advance"``), the sink storage, and blocks of packed storage; the shared
+:class:`~.layout.ChunkLayout` says which slot holds which chunk. Storage is allocated on the first write and
+reused afterwards.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from ..codecs import Packed
 from .errors import ChunkRewriteSizeError
-from .layout import ChunkLayout, Pack, ToSink
+from .layout import ChunkLayout, Move, ToRing, ToSink
 from .plan import ReadPlan
 
 if TYPE_CHECKING:
@@ -40,18 +41,23 @@ class LayerCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the current chunk's K/V [B, n, H, D] (``key`` before RoPE, ``rotated_key`` after) and return
         the keys and values to attend: views of the shared workspace holding sink, history, recent and
-        current chunks in token order, keys rotated."""
+        current chunks in token order, keys rotated.
+
+        Under ``commit="final-pass"`` the chunk has no slot: only its clean-context pass stores it, after the
+        window is read (the recent chunk it may pack is part of that window)."""
         owner = self.owner
         plan, layout = owner.require_plan(), owner.layout
         self.check(key, rotated_key, value, plan.current_tokens, layout.current.start_frame)
         owner.ensure_geometry(key)
-        self.ensure_ring()
-        cur = layout.current
-        start = cur.slot * layout.slot_tokens
-        stored = key if owner.config.keys_before_rope else rotated_key
-        self.ring[0].values[:, start : start + cur.tokens].copy_(stored)
-        self.ring[1].values[:, start : start + cur.tokens].copy_(value)
-        return self.read(plan, rotated_key, value)
+        fresh = (key if owner.config.keys_before_rope else rotated_key, value)
+        if layout.current.slot is not None:
+            self.apply(ToRing(layout.current.slot, layout.current.tokens), layout, fresh)
+        window = self.read(plan, rotated_key, value)
+        if owner.commit is not None:
+            for move in owner.commit.moves:
+                self.apply(move, owner.commit.layout, fresh)
+            owner.layer_committed(self.index)
+        return window
 
     def check(
         self, key: torch.Tensor, rotated_key: torch.Tensor, value: torch.Tensor, tokens: int, start_frame: int
@@ -88,13 +94,25 @@ class LayerCache:
             layout = self.owner.layout
             self.ring = self.owner.allocate(self.owner.config.dense, layout.ring_slots * layout.slot_tokens, layout.ring_slots)
 
-    # Moves between storages when a chunk becomes final (see ChunkLayout.plan).
+    # Moves between storages when a chunk becomes final (see ChunkLayout.plan and ChunkLayout.finalize).
     @torch.no_grad()
-    def apply(self, move: ToSink | Pack, layout: ChunkLayout) -> None:
-        """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has)."""
+    def apply(
+        self, move: Move, layout: ChunkLayout, fresh: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> None:
+        """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has);
+        ``fresh`` is this forward's K (as stored) and V, the source of moves without a ring slot."""
         owner, cfg = self.owner, self.owner.config
-        src = move.ring_slot * layout.slot_tokens
-        chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
+        if isinstance(move, ToRing):
+            self.ensure_ring()
+            dst = move.slot * layout.slot_tokens
+            for i in range(2):
+                self.ring[i].values[:, dst : dst + move.tokens].copy_(fresh[i])
+            return
+        if move.ring_slot is None:
+            chunk = fresh
+        else:
+            src = move.ring_slot * layout.slot_tokens
+            chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
         if isinstance(move, ToSink):
             if self.sink is None:
                 frames = cfg.sink_frames

@@ -2,8 +2,9 @@
 
 All layers of a transformer write the same chunks, so one :class:`ChunkLayout` describes every layer's
 storage. :meth:`ChunkLayout.plan` validates a forward's chunk and returns the next layout plus the tensor
-moves it implies (a finished chunk into the sink, recent chunks into the packed pool); it never mutates
-``self``, so every error is raised before any state changes.
+moves it implies (a finished chunk into the sink, recent chunks into the packed pool);
+:meth:`ChunkLayout.finalize` does the same for a clean-context pass under ``commit="final-pass"``. Neither
+mutates ``self``, so every error is raised before any state changes.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ UNBOUNDED_BLOCK_CHUNKS = 8
 @dataclass
 class Chunk:
     """A chunk of consecutive latent frames and its place: a ring slot (current/recent), a sink slot, or a
-    packed ``(block, slot)``."""
+    packed ``(block, slot)``. ``slot`` is ``None`` while a chunk has no storage (``commit="final-pass"``: the
+    chunk being denoised, and a chunk of the clean-context pass until its moves are planned)."""
 
     start_frame: int
     frames: int
     tokens: int
     place: Place
-    slot: int
+    slot: int | None
     block: int = -1
 
     @property
@@ -40,9 +42,9 @@ class Chunk:
 
 @dataclass(frozen=True)
 class ToSink:
-    """Copy a finished chunk from its ring slot into the sink storage."""
+    """Copy a finished chunk from its ring slot (``None``: the K/V of this forward) into the sink storage."""
 
-    ring_slot: int
+    ring_slot: int | None
     sink_slot: int
     token_start: int
     tokens: int
@@ -50,13 +52,25 @@ class ToSink:
 
 @dataclass(frozen=True)
 class Pack:
-    """Pack a chunk from its ring slot into packed ``(block, slot)``, optionally warm-started from ``warm``."""
+    """Pack a chunk from its ring slot (``None``: the K/V of this forward) into packed ``(block, slot)``,
+    optionally warm-started from ``warm``."""
 
-    ring_slot: int
+    ring_slot: int | None
     block: int
     slot: int
     tokens: int
     warm: tuple[int, int] | None
+
+
+@dataclass(frozen=True)
+class ToRing:
+    """Write the K/V of this forward into ring ``slot`` (a clean-context pass keeping its chunk recent)."""
+
+    slot: int
+    tokens: int
+
+
+Move = ToSink | Pack | ToRing
 
 
 @dataclass
@@ -69,6 +83,7 @@ class ChunkLayout:
     slot_frames: int = 0
     block_slots: int = 0
     num_blocks: int = 0
+    next_frame: int = 0  # where the next chunk starts: the end of the newest chunk
 
     # Derived sizes, one definition each.
     @property
@@ -81,31 +96,55 @@ class ChunkLayout:
 
     @property
     def ring_slots(self) -> int:
-        return self.config.keep_recent_chunks + 1
+        return self.config.keep_recent_chunks + self.config.current_slots
+
+    @property
+    def started(self) -> bool:
+        return self.slot_frames > 0
 
     @property
     def current(self) -> Chunk | None:
-        return self.chunks[-1] if self.chunks else None
+        """The chunk being denoised (``None`` between chunks under ``commit="final-pass"``)."""
+        return self.chunks[-1] if self.chunks and self.chunks[-1].place == "current" else None
 
-    def expected_starts(self) -> tuple[int, ...]:
-        """Start frames a chunk may have now: the current chunk's (rewrite) or its end (advance)."""
-        cur = self.current
-        return () if cur is None else (cur.start_frame, cur.end_frame)
-
-    def check_start(self, start_frame: int) -> None:
+    def check_start(self, start_frame: int, final: bool = False) -> None:
+        """A forward may rewrite the current chunk or start the next one at :attr:`next_frame`; under
+        ``commit="final-pass"`` only after the current chunk's clean-context pass (``final=True``)."""
         if not isinstance(start_frame, int) or start_frame < 0:
             raise ValueError(f"start_frame={start_frame!r} is invalid: use a non-negative latent frame index")
-        starts = self.expected_starts()
-        if starts and start_frame not in starts:
+        if not isinstance(final, bool):
+            raise ValueError(f"final={final!r} is invalid: use True for the clean-context pass, else False")
+        cur = self.current
+        if not self.started or start_frame == (cur.start_frame if cur is not None else self.next_frame):
+            return
+        if self.config.commit == "on-advance":
+            if start_frame == self.next_frame:
+                return
             raise ValueError(
-                f"chunk at frame {start_frame} is neither the current chunk (frame {starts[0]}, a rewrite) nor "
-                f"the next one (frame {starts[1]}, an advance); chunks must be written in order. Call "
+                f"chunk at frame {start_frame} is neither the current chunk (frame {cur.start_frame}, a rewrite) "
+                f"nor the next one (frame {cur.end_frame}, an advance); chunks must be written in order. Call "
                 "cache.reset() to start a new video"
             )
+        if cur is not None and start_frame == self.next_frame:
+            raise ValueError(
+                f"the chunk at frame {cur.start_frame} never had its final pass, so its K/V were never stored "
+                f"(commit='final-pass'); run its clean-context pass inside `cache.chunk(start_frame="
+                f"{cur.start_frame}, final=True)` before starting frame {start_frame}, or enable the cache with "
+                "commit='on-advance' (every forward stores the chunk)"
+            )
+        if cur is None and start_frame < self.next_frame:
+            raise ValueError(
+                f"chunk at frame {start_frame} already had its final pass: its K/V are stored and cannot be "
+                f"rewritten (commit='final-pass'); the next chunk starts at frame {self.next_frame}. Call "
+                "cache.reset() to start a new video"
+            )
+        expected = cur.start_frame if cur is not None else self.next_frame
+        raise ValueError(
+            f"chunk at frame {start_frame} is not the next chunk to write (frame {expected}); chunks must be "
+            "written in order. Call cache.reset() to start a new video"
+        )
 
-    def plan(
-        self, start_frame: int, frames: int, height: int, width: int
-    ) -> tuple["ChunkLayout", list[ToSink | Pack]]:
+    def plan(self, start_frame: int, frames: int, height: int, width: int) -> tuple["ChunkLayout", list[Move]]:
         """Validate a forward over ``frames`` post-patch frames of ``height x width`` at ``start_frame``."""
         self.check_start(start_frame)
         cur = self.current
@@ -113,33 +152,63 @@ class ChunkLayout:
             if (frames, height, width) != (cur.frames, self.height, self.width):
                 raise ChunkRewriteSizeError(0, start_frame, cur.tokens, frames * height * width)
             return self, []
-        if cur is not None and (height, width) != (self.height, self.width):
+        if self.started and (height, width) != (self.height, self.width):
             raise ValueError(
                 f"this chunk has a {height}x{width} patch grid but the cache holds {self.height}x{self.width}; "
                 "every chunk of a video needs the same resolution: call cache.reset() for a new one"
             )
         new = copy.deepcopy(self)
-        if cur is None:
+        if not self.started:
             new.start(start_frame, frames, height, width)
         new.check_new_chunk(start_frame, frames)
         moves = new.finish_current() if cur is not None else []
         new.evict_for(frames)
         moves += new.pack_overflow()
-        used = {c.slot for c in new.chunks if c.place in ("current", "recent")}
-        ring_slot = min(set(range(new.ring_slots)) - used)
-        new.chunks.append(Chunk(start_frame, frames, frames * new.tokens_per_frame, "current", ring_slot))
+        slot = new.free_ring_slot() if self.config.current_slots else None
+        new.chunks.append(Chunk(start_frame, frames, frames * new.tokens_per_frame, "current", slot))
+        new.next_frame = start_frame + frames
         return new, moves
 
-    # The steps of an advance, applied to a copy by ``plan``.
+    def finalize(self) -> tuple["ChunkLayout", list[Move]]:
+        """The current chunk's clean-context pass (``commit="final-pass"``): the chunk is final at once.
+
+        Its K/V go straight to the sink, a recent ring slot (the oldest recent chunk is packed first to free
+        it) or the packed pool; chunks that no next chunk can see (it has at least one frame) are evicted.
+        Moves whose source is ``None`` take the K/V of this forward, so each layer carries them out after it
+        attended (the window it reads is this layout's).
+        """
+        new = copy.deepcopy(self)
+        chunk = new.chunks[-1]
+        moves = new.finish_current()
+        new.evict_for(1)
+        moves += new.pack_overflow()
+        if new.chunks and new.chunks[-1] is chunk and chunk.place == "recent":
+            chunk.slot = new.free_ring_slot()
+            moves.append(ToRing(chunk.slot, chunk.tokens))
+        return new, moves
+
+    # The steps of an advance, applied to a copy by ``plan`` (and ``finalize``).
     def start(self, start_frame: int, frames: int, height: int, width: int) -> None:
-        cfg = self.config
         self.origin_frame, self.height, self.width = start_frame, height, width
-        self.slot_frames = cfg.chunk_frames or frames
-        if cfg.window_frames is None:
-            self.block_slots = UNBOUNDED_BLOCK_CHUNKS
-        else:
-            visible_chunks = (cfg.window_frames - cfg.sink_frames) // self.slot_frames
-            self.block_slots = max(1, visible_chunks - self.ring_slots)
+        self.slot_frames = self.config.chunk_frames or frames
+        history = self.max_resident_history()
+        self.block_slots = UNBOUNDED_BLOCK_CHUNKS if history is None else max(1, history - self.config.keep_recent_chunks)
+
+    def max_resident_history(self) -> int | None:
+        """Most finished non-sink chunks of ``slot_frames`` resident at once; ``None``: no bound is known.
+
+        With a window, they sit beside the current chunk (``"on-advance"``) or before a next chunk of at least
+        one frame (``"final-pass"``). With ``expected_frames``, every chunk of the stream, the current one
+        excepted under ``"on-advance"``.
+        """
+        cfg, s = self.config, self.slot_frames
+        bounds = []
+        if cfg.window_frames is not None:
+            reserved = s if cfg.current_slots else 1
+            bounds.append((cfg.window_frames - cfg.sink_frames - reserved) // s)
+        if cfg.expected_frames is not None:
+            bounds.append(-(-(cfg.expected_frames - cfg.sink_frames) // s) - cfg.current_slots)
+        return min(bounds) if bounds else None
 
     def check_new_chunk(self, start_frame: int, frames: int) -> None:
         cfg = self.config
@@ -160,7 +229,7 @@ class ChunkLayout:
                 f"{frames} frames; enlarge the window"
             )
 
-    def finish_current(self) -> list[ToSink | Pack]:
+    def finish_current(self) -> list[Move]:
         """The current chunk is final: it joins the sink (if it lies in the sink frames) or the recent chunks."""
         cur = self.chunks[-1]
         if cur.end_frame > self.origin_frame + self.config.sink_frames:
@@ -195,3 +264,7 @@ class ChunkLayout:
             moves.append(Pack(chunk.slot, *free[0], chunk.tokens, warm))
             chunk.place, (chunk.block, chunk.slot) = "packed", free[0]
         return moves
+
+    def free_ring_slot(self) -> int:
+        used = {c.slot for c in self.chunks if c.place in ("current", "recent")}
+        return min(set(range(self.ring_slots)) - used)

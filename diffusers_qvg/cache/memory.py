@@ -12,7 +12,9 @@ class MemoryReport:
     ``workspace`` is the per-step scratch shared by all layers: the dense K/V window buffers and the
     window's RoPE table. ``bf16_equivalent`` is what the cached tokens (sink, packed, recent, current) would take as BF16 K and
     V; ``compression`` divides it by the cache's own bytes (workspace excluded: it is a per-step buffer).
-    Preallocated capacity counts as resident, so the ratio is honest before the pool fills.
+    Preallocated capacity counts as resident, so the ratio is honest before the pool fills. Under
+    ``commit="final-pass"`` ``current`` is 0: a chunk being denoised lives only in the workspace (its
+    tokens still count in ``cached_tokens``, as a BF16 cache stores them), so read the ratio between chunks.
     """
 
     sink: int

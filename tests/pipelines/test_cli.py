@@ -32,6 +32,13 @@ def test_embedded_default_writes_a_playable_mp4(tmp_path, capsys):
     assert int(chunks) == 3 and float(ratio) == pytest.approx(float(bf16) / float(kv), rel=2e-2)
 
 
+def test_keep_recent_chunks_reaches_the_cache(tmp_path):
+    with pytest.raises(ValueError, match="keep_recent_chunks=-1 is invalid"):
+        main(["a fox", "--num-frames", "9", "--height", "32", "--width", "32", "--keep-recent-chunks", "-1",
+              "--output", str(tmp_path / "fox.mp4")])
+    assert not (tmp_path / "fox.mp4").exists()
+
+
 def test_checkpoint_model_needs_a_base(tmp_path):
     ckpt = tmp_path / "model.pt"
     ckpt.write_bytes(b"")

@@ -82,9 +82,28 @@ def test_video_twice_the_window_keeps_cache_memory_flat(pipe):
             reports.append(state.cache.memory_report())
     assert len(reports) == 7
     full = reports[2]  # the window (9 frames) is full once the third chunk is written
-    assert full.cached_tokens == 9 * 4
+    # between chunks the cache holds what the next chunk sees beside itself: the sink and the newest chunk
+    assert full.cached_tokens == (3 + 3) * 4
     assert all(r == full for r in reports[2:])
-    assert reports[0].cached_tokens < reports[1].cached_tokens < full.cached_tokens
+    assert reports[0].cached_tokens < reports[1].cached_tokens == full.cached_tokens
+
+
+def test_keep_recent_chunks_changes_the_cache_not_the_frames(pipe):
+    """Only clean-context passes are stored (no slot for the chunk being denoised), in a pool sized for the
+    video; with a lossless storage, where a finished chunk lives cannot change the video."""
+    videos, reports = [], []
+    for keep in (1, 0):
+        with pipe.stream(**SMALL, num_frames=33, kv_cache="bf16", keep_recent_chunks=keep, generator=seeded(10),
+                         output_type="latent") as state:
+            videos.append(torch.cat(list(state), dim=2))
+            reports.append(state.cache.memory_report())
+            assert state.cache.config.commit == "final-pass"
+    assert torch.equal(*videos)
+    one, zero = reports
+    assert one.current == zero.current == 0 and zero.recent == 0 < one.recent
+    assert one.cached_tokens == zero.cached_tokens == 3 * 3 * 4
+    # every stored byte holds a cached token: "bf16" storage keeps the float32 model's dtype, 2x BF16's bytes
+    assert one.cache == zero.cache == 2 * zero.bf16_equivalent
 
 
 def test_stream_continue_reset_and_close(pipe):
@@ -144,6 +163,7 @@ def test_callback_sees_every_step_and_can_edit_latents(pipe):
         (dict(callback_on_step_end_tensor_inputs=["noise"]), r"\['noise'\] are not in"),
         (dict(window_frames=3, sink_frames=3), r"window_frames=3 leaves no room"),
         (dict(frames_per_chunk=0), r"frames_per_chunk=0 is invalid"),
+        (dict(keep_recent_chunks=-1), r"keep_recent_chunks=-1 is invalid"),
         (dict(denoising_timesteps=(1000, 0)), r"denoising_timesteps=\(1000, 0\) must be"),
         (dict(prompt=None), r"exactly one of `prompt` and `prompt_embeds`"),
     ],
