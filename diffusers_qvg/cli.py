@@ -51,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache", default="qvg-int2", help="bf16, qvg-int2, qvg-int4 or kivi-int2")
     parser.add_argument("--window-frames", type=int, help="latent frames attended to (counting the sink)")
     parser.add_argument("--sink-frames", type=int, default=0, help="first latent frames never evicted")
-    parser.add_argument("--keep-recent-chunks", type=int, default=1, help="finished chunks kept unquantized "
-                        "(0: every chunk is packed at its clean-context pass, the smallest cache)")
+    parser.add_argument("--keep-recent-chunks", type=int, default=0, help="finished chunks kept unquantized "
+                        "(0: every chunk is packed at its clean-context pass, the smallest cache; 1: less error)")
     parser.add_argument("--guidance-scale", type=float, default=1.0, help="CFG scale (distilled models: 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fps", type=int, default=16)

@@ -138,7 +138,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         kv_cache: Any = "qvg-int2",
         window_frames: int | None = None,
         sink_frames: int = 0,
-        keep_recent_chunks: int = 1,
+        keep_recent_chunks: int = 0,
         frames_per_chunk: int = 3,
         denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
         context_noise: float = 0.0,
@@ -224,7 +224,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         kv_cache: Any = "qvg-int2",
         window_frames: int | None = None,
         sink_frames: int = 0,
-        keep_recent_chunks: int = 1,
+        keep_recent_chunks: int = 0,
         frames_per_chunk: int = 3,
         denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
         context_noise: float = 0.0,
@@ -251,8 +251,10 @@ class QVGCausalWanPipeline(DiffusionPipeline):
                 ``"kivi-int2"`` or a codec config such as ``diffusers_qvg.QVGConfig(...)``.
             window_frames: latent frames attended to (counting the sink and the chunk); ``None``: all.
             sink_frames: first latent frames never evicted (LongLive uses 3 with a window of 12).
-            keep_recent_chunks: finished chunks kept unquantized before they are packed (1; 0 packs every chunk
-                at its clean-context pass, the smallest cache). The chunk being denoised is never stored.
+            keep_recent_chunks: finished chunks kept unquantized before they are packed (0: every chunk is
+                packed at its clean-context pass, the smallest cache, 7.1x below BF16 with "qvg-int2"; 1 cuts
+                the attention error on video-derived K/V by ~20% for ~1.9x more cache memory at 21 frames).
+                The chunk being denoised is never stored.
             frames_per_chunk: latent frames per chunk (Self-Forcing: 3).
             denoising_timesteps: before the shift-5 warp (Self-Forcing: 1000, 750, 500, 250).
             context_noise: timestep of the forward that writes a finished chunk's clean K/V (0).

@@ -32,7 +32,7 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "official + mse scales": (official.with_(scale_search="mse"), False),
         "official + trits": (official.with_(packing="auto"), False),
         "qvg-int2 bf16 centroids": (dq.QVGConfig(centroid_dtype="bfloat16"), False),
-        "qvg-int2 strided init": (dq.QVGConfig(kmeans_init="strided"), False),
+        "qvg-int2 k-means++ init": (dq.QVGConfig(kmeans_init="kmeans++"), False),
         "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
         "qvg-int2 warm start": (dq.QVGConfig(), True),
         "qvg-int2 128 centroids": (dq.QVGConfig(num_centroids=128), False),

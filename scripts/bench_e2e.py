@@ -5,8 +5,8 @@ frame) with seeded random weights (time and memory do not depend on them) and te
 shape ([1, 512, 4096]). For each video length (21 and 42 latent frames) and each storage, in one run: the
 median seconds per chunk over a warm run, the cache's resident bytes against the BF16 bytes of the same
 frames, and the peak GPU memory. The pipeline stores only each chunk's clean-context pass; compressed
-storages run with the pipeline's default ``keep_recent_chunks`` (one finished chunk stays BF16) and with 0
-(every chunk packed), and the table says which rows meet the KV-ratio target. ``--small`` runs the tiny
+storages run with the pipeline's default ``keep_recent_chunks`` (0: every chunk packed) and with 1 (one
+finished chunk stays BF16), and the table says which rows meet the KV-ratio target. ``--small`` runs the tiny
 model on the CPU (for tests, no figures).
 
     python scripts/bench_e2e.py                      # GPU, bf16 weights
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--frames", type=int, nargs="+", default=None, help="latent frames (default 21 42)")
     parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2"])
-    parser.add_argument("--keep-recent-chunks", type=int, nargs="+", default=[PIPELINE_KEEP, 0],
-                        help=f"settings for the compressed storages (default: the pipeline's {PIPELINE_KEEP}, and 0); "
+    parser.add_argument("--keep-recent-chunks", type=int, nargs="+", default=[PIPELINE_KEEP, 1],
+                        help=f"settings for the compressed storages (default: the pipeline's {PIPELINE_KEEP}, and 1); "
                         "the bf16 anchor runs with the pipeline's")
     parser.add_argument("--window-frames", type=int, default=None, help="sliding window (default: whole video)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
