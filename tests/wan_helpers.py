@@ -11,23 +11,33 @@ TOKENS_PER_FRAME = (HEIGHT // 2) * (WIDTH // 2)
 HEADS, HEAD_DIM = 2, 12
 
 
-def tiny_wan(dtype: torch.dtype = torch.float64, seed: int = 0) -> WanTransformer3DModel:
-    torch.manual_seed(seed)  # diffusers initialises weights on the global RNG; tests own it here
-    model = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=HEADS,
-        attention_head_dim=HEAD_DIM,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+TINY_CONFIG = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=HEADS,
+    attention_head_dim=HEAD_DIM,
+    in_channels=16,
+    out_channels=16,
+    text_dim=32,
+    freq_dim=256,
+    ffn_dim=32,
+    num_layers=2,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    rope_max_seq_len=32,
+)
+
+
+def build(model_cls, dtype: torch.dtype, seed: int, **extra):
+    """``model_cls`` from the tiny config; diffusers draws initial weights from the global RNG, so it is
+    forked and seeded here and left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(**TINY_CONFIG, **extra)
     return model.to(dtype).eval()
+
+
+def tiny_wan(dtype: torch.dtype = torch.float64, seed: int = 0) -> WanTransformer3DModel:
+    return build(WanTransformer3DModel, dtype, seed)
 
 
 class MaskedSelfAttention(WanAttnProcessor):
@@ -83,20 +93,4 @@ def reference_forward(model, latents: list[torch.Tensor], timesteps: list[float]
 
 def tiny_skyreels_v2(frames_per_block: int, dtype: torch.dtype = torch.float64, seed: int = 0):
     """The SkyReels-V2 twin of :func:`tiny_wan`, block-causal over ``frames_per_block`` latent frames."""
-    torch.manual_seed(seed)
-    model = SkyReelsV2Transformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=HEADS,
-        attention_head_dim=HEAD_DIM,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-        num_frame_per_block=frames_per_block,
-    )
-    return model.to(dtype).eval()
+    return build(SkyReelsV2Transformer3DModel, dtype, seed, num_frame_per_block=frames_per_block)
