@@ -3,7 +3,8 @@
 Every chunk of the window (K after RoPE, K before RoPE, V) is packed on its own, as a cache packs each
 finished chunk, and decoded back. Reported (see :class:`CodecQuality`): bits per element, relL2 of each tensor,
 and the attention error of the newest chunk's queries over the whole window, where the older chunks are read
-from the codec and the newest chunk (the one being denoised) stays exact, as in the cache.
+from the codec and the newest chunk (the one being denoised) stays exact, as in the cache (with
+``keep_recent``, so do that many finished chunks before it).
 """
 
 from __future__ import annotations
@@ -89,23 +90,29 @@ def attention_probe(data: VideoKV, queries: int = 256, sharpness: float = 4.0) -
     return AttentionProbe(scaled, {kind: attention(x, key, value) for kind, x in scaled.items()})
 
 
-def measure_codec(codec: CodecConfig, data: VideoKV, probe: AttentionProbe, *, warm_start: bool = False) -> CodecQuality:
+def measure_codec(
+    codec: CodecConfig, data: VideoKV, probe: AttentionProbe, *, warm_start: bool = False, keep_recent: int = 0
+) -> CodecQuality:
     """Pack ``data`` chunk by chunk with ``codec`` and measure it (see :class:`CodecQuality`).
 
     ``warm_start`` seeds each chunk's codec parameters from the previous chunk's (QVG's centroid caching).
+    ``keep_recent`` finished chunks before the current one stay exact in the attention errors, as the cache's
+    ``keep_recent_chunks`` keeps them unquantized.
     """
+    if not 0 <= keep_recent < data.num_chunks:
+        raise ValueError(f"keep_recent={keep_recent} must lie in [0, {data.num_chunks - 1}] for {data.num_chunks} chunks")
     times: dict[str, list[float]] = {"quantize": [], "dequantize": []}
     key_hat, key_bytes = _pack_chunks(codec, data.key, data, "key", warm_start, times)
     pre_hat, _ = _pack_chunks(codec, data.key_pre_rope, data, "key", warm_start, times)
     value_hat, value_bytes = _pack_chunks(codec, data.value, data, "value", warm_start, times)
     key_pre_rotated = apply_wan_rotary(pre_hat, data.cos, data.sin)  # as the cache's read path rotates
 
-    current = data.chunk(data.num_chunks - 1)
+    exact_from = data.chunk(data.num_chunks - 1 - keep_recent).start
 
     def read(exact: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-        """The cache's view: older chunks decoded, the current chunk exact."""
+        """The cache's view: older chunks decoded, the recent ones and the current chunk exact."""
         view = decoded.to(torch.float32, copy=True)
-        view[:, current] = exact[:, current].float()
+        view[:, exact_from:] = exact[:, exact_from:].float()
         return view
 
     value_read = read(data.value, value_hat)

@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=7, help="chunks in the window (7 = 21 latent frames)")
     parser.add_argument("--queries", type=int, default=256, help="queries sampled from the last chunk")
     parser.add_argument("--sharpness", type=float, default=4.0, help="query scale for the sharp attention error")
+    parser.add_argument("--keep-recent", type=int, default=0,
+                        help="finished chunks before the current one left exact in the attention errors (the "
+                        "cache's keep_recent_chunks; default 0: every finished chunk is read from the codec)")
     parser.add_argument(
         "--threads", type=int, default=1,
         help="torch CPU threads (default 1: on a shared CPU, multi-threaded ops wait ~10 ms for descheduled workers)",
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     for name, (codec, warm) in rows.items():
         if args.only and name not in args.only:
             continue
-        results[name] = measure_codec(codec, data, probe, warm_start=warm)
+        results[name] = measure_codec(codec, data, probe, warm_start=warm, keep_recent=args.keep_recent)
         print(f"  {name}: done", file=sys.stderr)
     print(
         f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "

@@ -73,3 +73,13 @@ def test_qvg_beats_rtn_and_kivi_at_equal_or_fewer_bits_on_video_data():
         assert qvg.bits_per_element <= other.bits_per_element + 0.01, baseline  # equal up to per-head scalars
         for field in ("key_rel_l2", "value_rel_l2", "attention_error", "sharp_attention_error"):
             assert getattr(qvg, field) < getattr(other, field), (baseline, field)
+
+
+def test_keeping_recent_chunks_exact_lowers_the_attention_error_and_is_checked():
+    data = video_kv(TINY, chunks=3)
+    probe = attention_probe(data, queries=16)
+    codec = dq.QVGConfig(num_centroids=8, group_size=16)
+    errors = [measure_codec(codec, data, probe, keep_recent=k).attention_error for k in (0, 1, 2)]
+    assert errors[0] > errors[1] > errors[2] == 0.0  # with every older chunk exact, attention is exact
+    with pytest.raises(ValueError, match="keep_recent=3"):
+        measure_codec(codec, data, probe, keep_recent=3)
