@@ -47,7 +47,7 @@ def refuse_block_skipping(transformer: torch.nn.Module) -> None:
 
 def enable_qvg(
     transformer: torch.nn.Module,
-    storage: CodecConfig | str = "bf16",
+    storage: CodecConfig | str = "qvg-int2",
     window_frames: int | None = None,
     sink_frames: int = 0,
     **options,

@@ -198,7 +198,7 @@ def test_stock_outputs_without_an_active_chunk_and_after_disable():
 @torch.no_grad()
 def test_processors_for_reinstalls_the_same_cache():
     model = tiny_wan()
-    cache = dq.enable_qvg(model)
+    cache = dq.enable_qvg(model, "bf16")
     x = latents()
     first = forward(model, cache, 0, x=x).sample
     model.set_attn_processor(dq.processors_for(model, cache))
@@ -211,7 +211,7 @@ def test_block_skipping_caches_are_refused():
     with pytest.raises(ValueError, match="block-skipping"):
         dq.enable_qvg(model)
     model.disable_cache()
-    cache = dq.enable_qvg(model)
+    cache = dq.enable_qvg(model, "bf16")
     model.enable_cache(FirstBlockCacheConfig(threshold=0.1))
     with pytest.raises(ValueError, match="disable_cache"):
         with cache.chunk(start_frame=0):
@@ -221,7 +221,7 @@ def test_block_skipping_caches_are_refused():
 @torch.no_grad()
 def test_fused_projections_and_attention_backend_are_honoured():
     model, fused = tiny_wan(), tiny_wan()
-    caches = [dq.enable_qvg(m) for m in (model, fused)]
+    caches = [dq.enable_qvg(m, "bf16") for m in (model, fused)]
     fused.fuse_qkv_projections()
     fused.set_attention_backend("native")
     assert fused.blocks[1].attn1.processor._attention_backend == "native"
@@ -231,3 +231,8 @@ def test_fused_projections_and_attention_backend_are_honoured():
         x = latents()
         outs = [forward(m, c, start, x=x).sample for m, c in zip((model, fused), caches)]
         torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-12)
+
+
+def test_the_default_storage_is_qvg_int2_and_the_sink_stays_bf16():
+    config = dq.CacheConfig()
+    assert config.storage == dq.QVGConfig() and config.sink_storage == dq.BF16Config()

@@ -34,7 +34,7 @@ class CacheConfig:
             pool is preallocated for exactly those chunks rather than in blocks of 8 (it still grows beyond).
     """
 
-    storage: CodecConfig | str = "bf16"
+    storage: CodecConfig | str = "qvg-int2"
     window_frames: int | None = None
     sink_frames: int = 0
     sink_storage: CodecConfig | str = "bf16"
