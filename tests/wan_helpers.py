@@ -6,23 +6,19 @@ import torch
 from diffusers import SkyReelsV2Transformer3DModel, WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
+from diffusers_qvg.pipelines.random_models import WAN_1_3B_TRANSFORMER_CONFIG
+
 HEIGHT = WIDTH = 4  # latent pixels: a 2x2 patch grid, 4 tokens per frame
 TOKENS_PER_FRAME = (HEIGHT // 2) * (WIDTH // 2)
 HEADS, HEAD_DIM = 2, 12
 
-
 TINY_CONFIG = dict(
-    patch_size=(1, 2, 2),
+    WAN_1_3B_TRANSFORMER_CONFIG,
     num_attention_heads=HEADS,
     attention_head_dim=HEAD_DIM,
-    in_channels=16,
-    out_channels=16,
     text_dim=32,
-    freq_dim=256,
     ffn_dim=32,
     num_layers=2,
-    cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads",
     rope_max_seq_len=32,
 )
 
