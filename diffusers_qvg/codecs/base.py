@@ -18,6 +18,8 @@ from typing import ClassVar, Iterable, Literal, Sequence
 
 import torch
 
+from .status import WriteStatus
+
 Role = Literal["key", "value"]
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -165,6 +167,26 @@ class CodecConfig(ABC):
             if not ok:
                 raise ValueError(message)
 
+    def check_write(
+        self,
+        x: torch.Tensor,
+        status: WriteStatus | None,
+        what: str = "x",
+        must_hold: Sequence[tuple[torch.Tensor, str]] = (),
+    ) -> bool:
+        """The values check of a ``quantize_into`` call: on the host (one sync, raising at once) without a
+        ``status``; else folded into ``status`` on the device, no host read.
+
+        Returns True where the caller may write unconditionally (no status: a failure has raised), False
+        where it must predicate its stores on the status: ``status.ok()`` in kernels, ``status.gated_copy_``
+        in PyTorch, or ``status.ok_on_host()`` in reference paths (free on the CPU, a sync elsewhere).
+        """
+        if status is None:
+            self.check_values(x, what, must_hold)
+            return True
+        status.check(x, what, self.max_abs_input, must_hold)
+        return False
+
     @abstractmethod
     def allocate(
         self,
@@ -194,12 +216,17 @@ class CodecConfig(ABC):
         role: Role = "value",
         warm_start: Packed | None = None,
         warm_slot: int = 0,
+        status: WriteStatus | None = None,
+        what: str = "x",
     ) -> None:
         """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
 
         ``warm_start``/``warm_slot`` name a slot of earlier storage whose parameters (QVG's centroids)
         seed this one; formats without such parameters ignore them. Implementations validate with
-        :meth:`check_storage_fits` and their own layout rules, then :meth:`check_values` (the one sync).
+        :meth:`check_storage_fits` and their own layout rules (raising at once), then the values with
+        :meth:`check_write`: without ``status`` on the host (the one sync), with it on the device, every
+        store predicated on ``status.ok()`` so that a failed write changes nothing (``what`` names the
+        write in the error the status raises later).
         """
 
     @abstractmethod

@@ -9,6 +9,7 @@ import torch
 
 from ..rotary import apply_wan_rotary, compute_dtype_for
 from .base import CodecConfig, Packed, Role, SegmentTable
+from .status import WriteStatus
 
 
 @dataclass
@@ -42,10 +43,15 @@ class BF16Config(CodecConfig):
         role: Role = "value",
         warm_start: Packed | None = None,
         warm_slot: int = 0,
+        status: WriteStatus | None = None,
+        what: str = "x",
     ) -> None:
         self.check_storage_fits(storage, x, token_start, slot)
-        self.check_values(x)
-        storage.values[:, token_start : token_start + x.shape[1]].copy_(x)
+        dst = storage.values[:, token_start : token_start + x.shape[1]]
+        if self.check_write(x, status, what):
+            dst.copy_(x)
+        else:
+            status.gated_copy_(dst, x)
 
     def dequantize_into(self, storage: DensePacked, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         self.check_segments(storage, segments, out, rotary)

@@ -20,6 +20,7 @@ from ..rotary import apply_wan_rotary, compute_dtype_for
 from .base import CodecConfig, Packed, Role, SegmentTable
 from .groups import MAX_ABS_INPUT, dequantize_groups, quantize_groups
 from .qvg.format import pack_digits, unpack_digits
+from .status import WriteStatus
 
 
 @dataclass
@@ -97,6 +98,8 @@ class KIVIConfig(CodecConfig):
         role: Role = "value",
         warm_start: Packed | None = None,
         warm_slot: int = 0,
+        status: WriteStatus | None = None,
+        what: str = "x",
     ) -> None:
         self.check_storage_fits(storage, x, token_start, slot)
         if role != storage.role:
@@ -107,7 +110,8 @@ class KIVIConfig(CodecConfig):
                 f"key segments must start on a multiple of key_group_tokens={g}, got token_start={token_start}; "
                 "use a key_group_tokens that divides your chunk length"
             )
-        self.check_values(x)
+        if not self.check_write(x, status, what) and not status.ok_on_host():
+            return  # the reference path: a failed status is read on the host (a sync on CUDA)
         B, N, H, D = x.shape
         f = compute_dtype_for(x.dtype)
         x = x.to(f)

@@ -9,6 +9,7 @@ from typing import ClassVar, Literal
 import torch
 
 from ..base import CodecConfig, Packed, Role, SegmentTable
+from ..status import WriteStatus
 from ..groups import MAX_ABS_INPUT
 
 CentroidDType = Literal["e4m3", "bfloat16", "float16", "float32"]
@@ -193,6 +194,8 @@ class QVGConfig(CodecConfig):
         role: Role = "value",
         warm_start: Packed | None = None,
         warm_slot: int = 0,
+        status: WriteStatus | None = None,
+        what: str = "x",
     ) -> None:
         from .encode import check_warm_start, quantize_into
 
@@ -200,8 +203,10 @@ class QVGConfig(CodecConfig):
         must_hold = ()
         if warm_start is not None and self.stages:
             must_hold = (check_warm_start(self, storage, warm_start, warm_slot),)
-        self.check_values(x, must_hold=must_hold)
-        quantize_into(self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot)
+        gate = None if self.check_write(x, status, what, must_hold) else status
+        quantize_into(
+            self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot, gate=gate
+        )
 
     def dequantize_into(self, storage: Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         from .backend import dequantize_into

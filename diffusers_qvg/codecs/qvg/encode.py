@@ -9,6 +9,7 @@ import torch
 
 from ...rotary import compute_dtype_for
 from ..base import Packed
+from ..status import WriteStatus
 from ..groups import pow2_at_least
 from .config import QVGConfig
 from .decode import decode_centroids
@@ -69,10 +70,13 @@ def quantize_into(
     slot: int,
     warm_start: Packed | None = None,
     warm_slot: int = 0,
+    gate: WriteStatus | None = None,
 ) -> None:
     """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
 
-    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x`` and ``warm_start`` against the storage.
+    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x`` and ``warm_start`` against the storage;
+    with a ``gate``, the values were checked on the device only, and nothing may be written unless
+    ``gate.ok()``.
     """
     B, N, H, D = x.shape
     K, f = config.centroids, compute_dtype_for(x.dtype)
@@ -95,6 +99,8 @@ def quantize_into(
         stages.append((stored, scales, ids))
 
     tokens = slice(token_start, token_start + N)
+    if gate is not None and not gate.ok_on_host():
+        return  # a failed write stores nothing
     if ops.write_residual is not None:
         write_stages(storage, stages, tokens, slot)  # the residual kernel reads them back from the storage
         ops.write_residual(storage, x, token_start=token_start, slot=slot)
