@@ -32,12 +32,17 @@ def wan_rope_for_frames(
             "use a sliding window that re-bases positions or a model configured with a larger rope_max_seq_len"
         )
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
+    device = rope.freqs_cos.device
+    if device.type == "cuda":  # from pinned memory without blocking: planning a chunk never syncs
+        frame_ids = frame_ids.pin_memory().to(device, non_blocking=True)
+    else:
+        frame_ids = frame_ids.to(device)
     tables = []
     for freqs in (rope.freqs_cos, rope.freqs_sin):
         f_t, f_h, f_w = freqs.split(split, dim=1)
         n = len(frame_ids)
         parts = (
-            f_t[frame_ids.to(f_t.device)].view(n, 1, 1, -1).expand(n, height, width, -1),
+            f_t[frame_ids].view(n, 1, 1, -1).expand(n, height, width, -1),
             f_h[:height].view(1, height, 1, -1).expand(n, height, width, -1),
             f_w[:width].view(1, 1, width, -1).expand(n, height, width, -1),
         )
@@ -61,9 +66,14 @@ class RopeOffsetHook(ModelHook):
     def new_forward(self, module: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.cache.active:
             return self.fn_ref.original_forward(hidden_states)
-        _, _, frames, height, width = hidden_states.shape
-        p_t, p_h, p_w = module.patch_size
-        return self.cache.begin_forward(module, hidden_states, frames // p_t, height // p_h, width // p_w)
+        return self.cache.begin_forward(module, hidden_states, *patch_grid(module, hidden_states))
+
+
+def patch_grid(rope: torch.nn.Module, hidden_states: torch.Tensor) -> tuple[int, int, int]:
+    """Frames, height and width of the transformer input [B, C, F, H, W] after ``rope``'s patching."""
+    _, _, frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = rope.patch_size
+    return frames // p_t, height // p_h, width // p_w
 
 
 def add_rope_offset_hook(rope: torch.nn.Module, cache: "QVGCache", original_processors: dict) -> None:

@@ -19,6 +19,12 @@ With ``commit="final-pass"`` the denoising forwards store nothing, and the clean
             transformer(noisy_latents, t, prompt_embeds)
     with cache.chunk(start_frame=f, final=True):      # stores the chunk: sink, recent slot or packed pool
         transformer(clean_latents, 0, prompt_embeds)
+
+Passing the transformer input, ``cache.chunk(start_frame=f, hidden_states=x)``, plans the chunk when the block
+starts instead of at the first forward: the forward then holds tensor work only, which ``torch.compile``
+(``fullgraph=True``) needs. Writes are checked on the device (:class:`~diffusers_qvg.codecs.status.WriteStatus`)
+and the check is read once, when the block ends: a failed write raises there, and if it was the block's first
+write, the cache is exactly as it was.
 """
 
 from __future__ import annotations
@@ -30,9 +36,12 @@ from typing import Callable, Iterator
 import torch
 
 from ..codecs import CodecConfig, Packed
-from ..rope_offset import wan_rope_for_frames
+from ..codecs.status import WriteStatus
+from ..rope_offset import patch_grid, wan_rope_for_frames
 from ..rotary import compute_dtype_for
 from .config import CacheConfig
+from . import ops
+from .errors import ChunkRewriteSizeError
 from .layer import LayerCache
 from .layout import ChunkLayout, Move
 from .memory import MemoryReport
@@ -43,22 +52,41 @@ from .workspace import Workspace
 @dataclass
 class Commit:
     """A clean-context pass in flight: every layer carries out ``moves`` after attending; then the cache
-    adopts ``layout``."""
+    adopts ``layout`` (``previous`` is the layout it replaces, restored if the pass's first write fails)."""
 
     layout: ChunkLayout
     moves: list[Move]
+    previous: ChunkLayout
+    storage: list[tuple] = field(default_factory=list)  # each layer's storage before the pass
     layers_done: set[int] = field(default_factory=set)
 
 
 class QVGCache:
     """KV cache of a transformer's self-attention layers for chunk-by-chunk generation (inference only)."""
 
-    def __init__(self, config: CacheConfig, num_layers: int, guard: Callable[[], None] | None = None) -> None:
-        """``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there)."""
+    def __init__(
+        self,
+        config: CacheConfig,
+        num_layers: int,
+        guard: Callable[[], None] | None = None,
+        *,
+        rope: torch.nn.Module | None = None,
+        heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        """``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there).
+
+        ``rope`` (the transformer's ``WanRotaryPosEmbed``), ``heads`` and ``head_dim`` let
+        ``chunk(hidden_states=...)`` plan a chunk and size its window before the forward; the installer
+        passes them.
+        """
         self.config = config
         self.layers = [LayerCache(self, i) for i in range(num_layers)]
         self.workspace = Workspace()
         self.guard = guard
+        self.rope, self.heads, self.head_dim = rope, heads, head_dim
+        self.op_id = ops.register(self)
+        self.status: WriteStatus | None = None
         self.active_start: int | None = None
         self.active_final = False
         self.reset()
@@ -75,49 +103,99 @@ class QVGCache:
         self.geometry: tuple[int, int, int, torch.dtype, torch.device] | None = None
         self.plan: ReadPlan | None = None
         self.planned: tuple[ChunkLayout, ReadPlan] | None = None
+        self.window: tuple[torch.Tensor, torch.Tensor] | None = None  # this forward's views of the workspace
         self.commit: Commit | None = None
         self.interrupted: str | None = None
+        self.block_writes = 0  # checked writes in the current chunk block (the status is read if any)
         for layer in self.layers:
             layer.ring, layer.sink, layer.blocks = None, None, []
         self.workspace.release()
 
     @contextmanager
-    def chunk(self, start_frame: int, final: bool = False) -> Iterator["QVGCache"]:
+    def chunk(
+        self, start_frame: int, final: bool = False, *, hidden_states: torch.Tensor | None = None
+    ) -> Iterator["QVGCache"]:
         """Forwards inside write the chunk starting at latent frame ``start_frame`` and attend to the cache.
 
         ``final=True`` marks the chunk's clean-context pass: under ``commit="final-pass"`` its one forward
         stores the chunk for good; under ``"on-advance"`` it changes nothing (the next chunk makes it final).
+        ``hidden_states``: the transformer input [B, C, F, H, W] (or a tensor of its shape, dtype and device);
+        given, the chunk is planned now rather than by the first forward's RoPE hook, so that the forward
+        does tensor work only (``torch.compile(..., fullgraph=True)`` needs it).
         """
         if self.active:
             raise RuntimeError(f"a chunk at frame {self.active_start} is already active; chunk blocks do not nest")
         if self.interrupted is not None:
             raise RuntimeError(self.interrupted)
         self.layout.check_start(start_frame, final)
+        if hidden_states is not None and self.rope is None:
+            raise ValueError(
+                "cache.chunk(hidden_states=...) plans the chunk with the transformer's RoPE module, which this "
+                "cache was not given; create it with diffusers_qvg.enable_qvg(transformer, ...)"
+            )
         if self.guard is not None:
             self.guard()
-        self.active_start, self.active_final, self.plan = start_frame, final, None
+        self.active_start, self.active_final, self.plan, self.window = start_frame, final, None, None
+        self.block_writes = 0
+        completed = False
         try:
+            if hidden_states is not None:
+                self.begin_forward(self.rope, hidden_states, *patch_grid(self.rope, hidden_states))
             yield self
+            completed = True
         finally:
-            if self.commit is not None and self.commit.layers_done:
-                self.interrupted = (
-                    f"the clean-context pass of the chunk at frame {start_frame} stopped after "
-                    f"{len(self.commit.layers_done)} of {len(self.layers)} layers stored it, so the layers disagree; "
-                    "call cache.reset() and generate the video again"
-                )
-            self.active_start, self.active_final, self.plan, self.commit = None, False, None, None
+            self.end_chunk(start_frame, completed)
+
+    def end_chunk(self, start_frame: int, completed: bool) -> None:
+        """Close a chunk block: read the device-side write checks once, and settle a clean-context pass.
+
+        A failed first write leaves the cache as it was (its layout restored; nothing was stored, every
+        store being predicated on the status); a later one means some layers stored the chunk and others
+        did not, and the cache refuses to go on until it is reset.
+        """
+        commit, failure, stored = self.commit, None, 0
+        self.active_start, self.active_final, self.plan, self.window, self.commit = None, False, None, None, None
+        if self.status is not None and self.block_writes:
+            failure, stored = self.status.read() if completed else (None, 0)
+            self.status.clear()
+        if failure is not None and stored == 0:
+            if commit is not None:  # storage allocated for the pass was never written: drop it too
+                self.layout = commit.previous
+                for layer, (ring, sink, blocks) in zip(self.layers, commit.storage):
+                    layer.ring, layer.sink, layer.blocks = ring, sink, layer.blocks[:blocks]
+            raise ValueError(f"{failure}; nothing was cached")
+        partial = commit is not None and commit.layers_done and len(commit.layers_done) < len(self.layers)
+        if failure is not None or partial:
+            done = f"{len(commit.layers_done)} of {len(self.layers)} layers" if partial else f"{stored} writes"
+            self.interrupted = (
+                f"the clean-context pass of the chunk at frame {start_frame} stopped after {done} stored it, so "
+                "the layers disagree; call cache.reset() and generate the video again"
+            )
+            if failure is not None:
+                raise ValueError(f"{failure}; {self.interrupted}")
 
     def begin_forward(
         self, rope: torch.nn.Module, hidden_states: torch.Tensor, frames: int, height: int, width: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Called once per transformer forward (by the RoPE hook): rewrite or advance, then plan the reads.
+        """Plan the chunk of the active block (rewrite or advance) and its reads, once per block: from
+        :meth:`chunk` given ``hidden_states``, else from the first forward's RoPE hook.
 
         Returns the chunk's RoPE ``(cos, sin)`` at its global frame positions.
         """
-        if self.commit is not None and self.commit.layers_done:
+        if self.plan is not None:  # a further forward of the block: the same chunk, the same plan
+            if self.commit is not None and self.commit.layers_done and not torch.compiler.is_compiling():
+                if len(self.commit.layers_done) == len(self.layers):
+                    self.layout.check_start(self.active_start)  # raises: the chunk had its final pass
+                raise RuntimeError(
+                    "the previous forward stopped part-way through its clean-context pass; leave the "
+                    "cache.chunk(...) block, call cache.reset() and generate the video again"
+                )
+            self.check_forward(hidden_states, frames, height, width)
+            return self.plan.current_rotary
+        if torch.compiler.is_compiling():
             raise RuntimeError(
-                "the previous forward stopped part-way through its clean-context pass; leave the cache.chunk(...) "
-                "block, call cache.reset() and generate the video again"
+                "a compiled transformer forward cannot plan its chunk (Python bookkeeping); plan it before the "
+                "forward: `with cache.chunk(start_frame=f, hidden_states=x): transformer(hidden_states=x, ...)`"
             )
         layout, moves = self.layout.plan(self.active_start, frames, height, width)
         if self.geometry is not None:
@@ -128,7 +206,8 @@ class QVGCache:
                     f"batch {B} on {device}; keep batch and device fixed for a video (batch both CFG branches) "
                     "or call cache.reset()"
                 )
-        if not bool(torch.isfinite(hidden_states).all()):
+        if self.config.commit == "on-advance" and not bool(torch.isfinite(hidden_states).all()):
+            # Every "on-advance" forward stores its chunk without a device-side check: one host read here.
             raise ValueError("the transformer input contains NaN or Inf; nothing was cached")
         if self.planned is None or self.planned[0] is not layout:
             # Held in the compute dtype (float32; float64 for float64 models): half the bytes every layer's
@@ -137,22 +216,55 @@ class QVGCache:
             rotary = tuple(t.to(dtype) for t in wan_rope_for_frames(rope, window_frame_ids(layout), height, width))
             self.planned = (layout, build_read_plan(layout, rotary, hidden_states.device))
         final = self.active_final and self.config.commit == "final-pass"
-        commit = Commit(*layout.finalize()) if final else None
-        for move in moves:
-            for layer in self.layers:
-                layer.apply(move, layout)
+        commit = None
+        if final:
+            storage = [(layer.ring, layer.sink, len(layer.blocks)) for layer in self.layers]
+            commit = Commit(*layout.finalize(), previous=layout, storage=storage)
+        if moves:
+            self.apply_moves(moves, layout)
         self.layout = layout
         self.plan = self.planned[1]
         self.commit = commit
+        self.forward_geometry = (hidden_states.shape[0], frames, height, width)
+        if self.geometry is None and self.heads is not None:
+            self.set_geometry(hidden_states.shape[0], self.heads, self.head_dim, hidden_states.dtype, hidden_states.device)
         if self.geometry is not None:
             self.reserve_workspace()
+            self.window_views()
         return self.plan.current_rotary
+
+    def apply_moves(self, moves: list[Move], layout: ChunkLayout) -> None:
+        """An advance's moves (into the sink, the packed pool), every layer, checked on the device and read
+        once: a failure before anything was stored leaves the cache as it was."""
+        for move in moves:
+            for layer in self.layers:
+                layer.apply(move, layout)
+        failure, stored = self.status.read()
+        self.status.clear()
+        if failure is not None:
+            if stored:
+                self.interrupted = (
+                    f"the advance to the chunk at frame {self.active_start} stopped after {stored} writes; call "
+                    "cache.reset() and generate the video again"
+                )
+            raise ValueError(f"{failure}; " + ("nothing was cached" if not stored else self.interrupted))
+
+    def check_forward(self, hidden_states: torch.Tensor, frames: int, height: int, width: int) -> None:
+        """A further forward of the block must have the geometry the block was planned with."""
+        planned = self.forward_geometry
+        if (hidden_states.shape[0], frames, height, width) != planned:
+            if (frames, height, width) != planned[1:]:
+                raise ChunkRewriteSizeError(0, self.active_start, self.plan.current_tokens, frames * height * width)
+            raise ValueError(
+                f"this forward has batch {hidden_states.shape[0]} but the chunk was planned for batch {planned[0]}; "
+                "keep batch fixed for a video (batch both CFG branches)"
+            )
 
     def layer_committed(self, index: int) -> None:
         """Layer ``index`` stored its part of the clean-context pass; once all have, the chunk is final."""
         self.commit.layers_done.add(index)
         if len(self.commit.layers_done) == len(self.layers):
-            self.layout, self.commit = self.commit.layout, None
+            self.layout = self.commit.layout
 
     def require_plan(self) -> ReadPlan:
         if self.plan is None:
@@ -184,8 +296,20 @@ class QVGCache:
     def ensure_geometry(self, key: torch.Tensor) -> None:
         if self.geometry is None:
             B, _, H, D = key.shape
-            self.geometry = (B, H, D, key.dtype, key.device)
+            self.set_geometry(B, H, D, key.dtype, key.device)
             self.reserve_workspace()
+
+    def set_geometry(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.geometry = (batch, heads, head_dim, dtype, device)
+        if self.status is None or self.status.device != torch.device(device):
+            self.status = WriteStatus(device)
+
+    def window_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This forward's K and V windows [B, W, H, D]: views of the front of the shared workspace."""
+        if self.window is None:
+            B, H, D, _, _ = self.geometry
+            self.window = self.workspace.views((B, self.plan.window_tokens, H, D))
+        return self.window
 
     def reserve_workspace(self) -> None:
         B, H, D, dtype, device = self.geometry
@@ -195,7 +319,8 @@ class QVGCache:
         else:  # sink, packed pool, recent chunks and the current chunk
             chunks = max(1, layout.num_blocks) * layout.block_slots + cfg.keep_recent_chunks + 1
             tokens = cfg.sink_frames * layout.tokens_per_frame + chunks * layout.slot_tokens
-        self.workspace.reserve(B * tokens * H * D, dtype, device)
+        if self.workspace.reserve(B * tokens * H * D, dtype, device):
+            self.window = None  # new buffers: the views of the old ones are stale
 
     def allocate(self, codec: CodecConfig, tokens: int, slots: int) -> tuple[Packed, Packed]:
         """K and V storage of ``codec`` for ``tokens`` tokens in ``slots`` segment slots."""

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..codecs import Packed
+from ..codecs import CodecConfig, Packed
 from .errors import ChunkRewriteSizeError
 from .layout import ChunkLayout, Move, ToRing, ToSink
-from .plan import ReadPlan
+from . import ops
 
 if TYPE_CHECKING:
     from .cache import QVGCache
@@ -44,39 +44,42 @@ class LayerCache:
         current chunks in token order, keys rotated.
 
         Under ``commit="final-pass"`` the chunk has no slot: only its clean-context pass stores it, after the
-        window is read (the recent chunk it may pack is part of that window)."""
+        window is read (the recent chunk it may pack is part of that window). Only tensor work and fixed
+        flags are decided here; the reads and writes are :mod:`.ops` (opaque to ``torch.compile``).
+        """
         owner = self.owner
-        plan, layout = owner.require_plan(), owner.layout
-        self.check(key, rotated_key, value, plan.current_tokens, layout.current.start_frame)
+        owner.require_plan()
         owner.ensure_geometry(key)
-        fresh = (key if owner.config.keys_before_rope else rotated_key, value)
-        if layout.current.slot is not None:
-            self.apply(ToRing(layout.current.slot, layout.current.tokens), layout, fresh)
-        window = self.read(plan, rotated_key, value)
-        if owner.commit is not None:
-            for move in owner.commit.moves:
-                self.apply(move, owner.commit.layout, fresh)
-            owner.layer_committed(self.index)
-        return window
+        keys, values = owner.window_views()
+        stored = key if owner.config.keys_before_rope else rotated_key
+        if owner.config.current_slots:  # "on-advance": every forward rewrites the chunk's ring slot
+            ops.store(self, stored, value, keys, final=False)
+        ops.read_window(self, keys, values, rotated_key, value)
+        if owner.commit is not None:  # the clean-context pass stores the chunk where it now belongs
+            ops.store(self, stored, value, keys, final=True)
+        return keys, values
 
-    def check(
-        self, key: torch.Tensor, rotated_key: torch.Tensor, value: torch.Tensor, tokens: int, start_frame: int
-    ) -> None:
-        if not (key.shape == rotated_key.shape == value.shape) or key.dim() != 4:
+    def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The forward's K/V against the plan and the cache's geometry, before anything is read or written."""
+        owner = self.owner
+        plan = owner.require_plan()
+        if key.shape != value.shape or key.dim() != 4:
             raise ValueError(
-                f"layer {self.index}: key, rotated key and value must share one shape [batch, tokens, heads, "
-                f"head_dim], got {tuple(key.shape)}, {tuple(rotated_key.shape)}, {tuple(value.shape)}"
+                f"layer {self.index}: keys and values must share one shape [batch, tokens, heads, head_dim], "
+                f"got {tuple(key.shape)} and {tuple(value.shape)}"
             )
-        if key.shape[1] != tokens:
-            raise ChunkRewriteSizeError(self.index, start_frame, tokens, key.shape[1])
-        self.owner.check_geometry(key, value, what=f"layer {self.index}")
-        # No finiteness check here: it would synchronise the device in every layer. The transformer input is
-        # checked once per forward (QVGCache.begin_forward) and the codec checks every chunk it packs.
+        if key.shape[1] != plan.current_tokens:
+            raise ChunkRewriteSizeError(self.index, owner.layout.current.start_frame, plan.current_tokens, key.shape[1])
+        owner.check_geometry(key, value, what=f"layer {self.index}")
+        # No finiteness check here: it would synchronise the device in every layer. Writes are checked on
+        # the device (the cache's WriteStatus), read once per chunk block.
 
-    def read(self, plan: ReadPlan, rotated_key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, keys: torch.Tensor, values: torch.Tensor, rotated_key: torch.Tensor, value: torch.Tensor) -> None:
+        """Decode every visible chunk into ``keys``/``values`` [B, W, H, D] (keys rotated) and copy the
+        current chunk behind them."""
+        self.check(rotated_key, value)
         owner, cfg = self.owner, self.owner.config
-        B, n, H, D = value.shape
-        keys, values = owner.workspace.views((B, plan.window_tokens, H, D))
+        plan = owner.plan
         rotary = plan.rotary if cfg.keys_before_rope else None
         reads = [(cfg.sink_storage, self.sink, plan.sink), (cfg.dense, self.ring, plan.recent)]
         reads += [(cfg.storage, self.blocks[b], table) for b, table in plan.packed]
@@ -84,10 +87,40 @@ class LayerCache:
             if table is not None:
                 codec.dequantize_into(kv[0], table, keys, rotary=rotary)
                 codec.dequantize_into(kv[1], table, values)
-        end = plan.current_start + n
+        end = plan.current_start + value.shape[1]
         keys[:, plan.current_start : end].copy_(rotated_key)
         values[:, plan.current_start : end].copy_(value)
-        return keys, values
+
+    def store(self, key: torch.Tensor, value: torch.Tensor, final: bool) -> None:
+        """Store the forward's K (as the cache keeps keys) and V: ``final=False`` into the current chunk's
+        ring slot ("on-advance"); ``final=True`` the clean-context pass's moves, after which the layer
+        counts as committed."""
+        self.check(key, value)
+        owner = self.owner
+        if not final:
+            self.apply(ToRing(owner.layout.current.slot, owner.layout.current.tokens), owner.layout, (key, value))
+            return
+        commit = owner.commit
+        if self.index in commit.layers_done:
+            raise RuntimeError(
+                f"layer {self.index} already stored this clean-context pass; run one forward per "
+                "cache.chunk(start_frame=..., final=True) block"
+            )
+        # The fresh K/V are checked before any move (a move may pack a recent chunk first), so a bad pass
+        # is refused before this layer stores anything; with layer 0 that is before the cache changes.
+        limits = [self.destination(move).max_abs_input for move in commit.moves if getattr(move, "ring_slot", None) is None]
+        limit = min((v for v in limits if v is not None), default=None)
+        for x, role in ((key, "key"), (value, "value")):
+            owner.status.check(x, f"layer {self.index}'s {role}s", limit)
+            owner.block_writes += 1
+        for move in commit.moves:
+            self.apply(move, commit.layout, (key, value))
+        owner.layer_committed(self.index)
+
+    def destination(self, move: Move) -> CodecConfig:
+        """The codec that stores ``move``'s chunk."""
+        cfg = self.owner.config
+        return cfg.dense if isinstance(move, ToRing) else cfg.sink_storage if isinstance(move, ToSink) else cfg.storage
 
     def ensure_ring(self) -> None:
         if self.ring is None:
@@ -100,29 +133,37 @@ class LayerCache:
         self, move: Move, layout: ChunkLayout, fresh: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> None:
         """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has);
-        ``fresh`` is this forward's K (as stored) and V, the source of moves without a ring slot."""
+        ``fresh`` is this forward's K (as stored) and V, the source of moves without a ring slot.
+
+        Every write that stores a finished chunk is checked on the device through the cache's write status;
+        only the "on-advance" rewrite of the current ring slot is not (its forward's input was checked).
+        """
         owner, cfg = self.owner, self.owner.config
         if isinstance(move, ToRing):
             self.ensure_ring()
             dst = move.slot * layout.slot_tokens
-            for i in range(2):
-                self.ring[i].values[:, dst : dst + move.tokens].copy_(fresh[i])
-            return
-        if move.ring_slot is None:
-            chunk = fresh
+            if move.slot == getattr(layout.current, "slot", None):
+                for i in range(2):
+                    self.ring[i].values[:, dst : dst + move.tokens].copy_(fresh[i])
+                return
+            dests, start, slot, warm, chunk = self.ring, dst, move.slot, None, fresh
         else:
-            src = move.ring_slot * layout.slot_tokens
-            chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
-        if isinstance(move, ToSink):
-            if self.sink is None:
-                frames = cfg.sink_frames
-                self.sink = owner.allocate(cfg.sink_storage, frames * layout.tokens_per_frame, frames)
-            dests, codec, start, slot, warm = self.sink, cfg.sink_storage, move.token_start, move.sink_slot, None
-        else:
-            while len(self.blocks) <= move.block:
-                self.blocks.append(owner.allocate(cfg.storage, layout.block_slots * layout.slot_tokens, layout.block_slots))
-            dests, codec, start, slot = self.blocks[move.block], cfg.storage, move.slot * layout.slot_tokens, move.slot
-            warm = None if move.warm is None else (self.blocks[move.warm[0]], move.warm[1])
+            if move.ring_slot is None:
+                chunk = fresh
+            else:
+                src = move.ring_slot * layout.slot_tokens
+                chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
+            if isinstance(move, ToSink):
+                if self.sink is None:
+                    frames = cfg.sink_frames
+                    self.sink = owner.allocate(cfg.sink_storage, frames * layout.tokens_per_frame, frames)
+                dests, start, slot, warm = self.sink, move.token_start, move.sink_slot, None
+            else:
+                while len(self.blocks) <= move.block:
+                    self.blocks.append(owner.allocate(cfg.storage, layout.block_slots * layout.slot_tokens, layout.block_slots))
+                dests, start, slot = self.blocks[move.block], move.slot * layout.slot_tokens, move.slot
+                warm = None if move.warm is None else (self.blocks[move.warm[0]], move.warm[1])
+        codec = self.destination(move)
         for i, role in enumerate(("key", "value")):
             codec.quantize_into(
                 dests[i],
@@ -132,4 +173,7 @@ class LayerCache:
                 role=role,
                 warm_start=None if warm is None else warm[0][i],
                 warm_slot=0 if warm is None else warm[1],
+                status=owner.status,
+                what=f"layer {self.index}'s {role}s",
             )
+            owner.block_writes += 1

@@ -21,7 +21,8 @@ class ReadPlan:
     The tables are built here, once per layout, with their rows on the host and on the device: every
     layer's reads validate against the host rows and never synchronise the device.
 
-    ``rotary`` is the window's ``(cos, sin)`` [1, W, 1, D]; the current chunk's RoPE is its slice.
+    ``rotary`` is the window's ``(cos, sin)`` [1, W, 1, D]; ``current_rotary`` the current chunk's rows of it,
+    in tensors of their own (a compiled forward takes them as inputs of a fixed shape).
     """
 
     sink: SegmentTable | None
@@ -31,11 +32,7 @@ class ReadPlan:
     current_tokens: int
     window_tokens: int
     rotary: tuple[torch.Tensor, torch.Tensor]
-
-    @property
-    def current_rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.current_start + self.current_tokens
-        return tuple(t[:, self.current_start : end] for t in self.rotary)
+    current_rotary: tuple[torch.Tensor, torch.Tensor]
 
 
 def window_frame_ids(layout: ChunkLayout) -> torch.Tensor:
@@ -61,12 +58,14 @@ def build_read_plan(
         return segment_table(rows, device) if rows else None
 
     current = layout.current
+    start = dst - current.tokens
     return ReadPlan(
         sink=table(sink),
         packed=tuple((block, table(rows)) for block, rows in sorted(packed.items())),
         recent=table(recent),
-        current_start=dst - current.tokens,
+        current_start=start,
         current_tokens=current.tokens,
         window_tokens=dst,
         rotary=rotary,
+        current_rotary=tuple(t[:, start:dst].clone() for t in rotary),
     )

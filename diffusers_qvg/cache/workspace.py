@@ -14,12 +14,13 @@ class Workspace:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
 
-    def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        """Make room for ``numel`` elements per tensor (allocates only to grow)."""
+    def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> bool:
+        """Make room for ``numel`` elements per tensor (allocates only to grow); True if it allocated."""
         if self.keys is not None and self.keys.numel() >= numel:
-            return
+            return False
         self.keys = torch.empty(numel, dtype=dtype, device=device)
         self.values = torch.empty(numel, dtype=dtype, device=device)
+        return True
 
     def views(self, shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Contiguous ``[B, W, H, D]`` views of the front of the buffers."""

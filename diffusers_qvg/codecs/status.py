@@ -16,21 +16,25 @@ from typing import Sequence
 
 import torch
 
-# Columns of the status tensor: the failing write's tag (0: none failed), the reason, the magnitude seen.
-TAG, REASON, AMAX = range(3)
+# Columns of the status tensor: the failing write's tag (0: none failed), the reason, the magnitude seen,
+# how many writes were checked before it, and how many have been checked in all.
+TAG, REASON, AMAX, BEFORE, CHECKED = range(5)
 NONFINITE, TOO_LARGE, CONDITION = range(3)
 
 
 class WriteStatus:
     """The first failed write since the last :meth:`raise_if_failed`, recorded on the device.
 
-    ``tensor`` is float64 ``[3]``: ``(tag, reason, amax)``, ``tag == 0`` while every write passed. Kernels
-    read :meth:`ok` (a bool scalar on the device) to predicate their stores; PyTorch writes use
-    :meth:`gated_copy_`. Tags index :attr:`messages`, which lives on the host.
+    ``tensor`` is float64 ``[5]``: ``(tag, reason, amax, before, checked)``, ``tag == 0`` while every write
+    passed; ``before`` counts the writes checked (and stored) before the failing one, so a caller knows
+    whether anything was stored at all. Kernels read :meth:`ok` (a bool scalar on the device) to predicate
+    their stores; PyTorch writes use :meth:`gated_copy_`. A tag stands for a ``what`` and stays the same for
+    the life of the status (so a captured CUDA graph replays valid tags); the messages live on the host.
     """
 
     def __init__(self, device: torch.device | str) -> None:
-        self.tensor = torch.zeros(3, dtype=torch.float64, device=device)
+        self.tensor = torch.zeros(5, dtype=torch.float64, device=device)
+        self.tags: dict[tuple[str, float | None, tuple[str, ...]], int] = {}
         self.messages: list[tuple[str, float | None, tuple[str, ...]]] = []
 
     @property
@@ -51,8 +55,11 @@ class WriteStatus:
         """
         if x.device != self.device:
             raise ValueError(f"{what} is on {x.device} but the cache's write status is on {self.device}")
-        self.messages.append((what, limit, tuple(message for _, message in must_hold)))
-        tag = float(len(self.messages))
+        key = (what, limit, tuple(message for _, message in must_hold))
+        if key not in self.tags:
+            self.messages.append(key)
+            self.tags[key] = len(self.messages)
+        tag = float(self.tags[key])
         amax = x.detach().abs().amax().double()
         reason = torch.where(torch.isfinite(amax), float(TOO_LARGE), float(NONFINITE))
         bad = ~torch.isfinite(amax)
@@ -63,8 +70,10 @@ class WriteStatus:
             reason = torch.where(bad, reason, torch.where(failed, float(CONDITION + i), reason))
             bad = bad | failed
         fail = bad & (self.tensor[TAG] == 0)
-        record = torch.stack([amax.new_tensor(tag), reason.double(), amax])
-        self.tensor.copy_(torch.where(fail, record, self.tensor))
+        t = self.tensor
+        record = torch.stack([torch.full_like(amax, tag), reason.double(), amax, t[CHECKED], t[CHECKED]])  # no H2D copy
+        t[: CHECKED + 1].copy_(torch.where(fail, record, t[: CHECKED + 1]))
+        t[CHECKED] += 1
 
     def ok(self) -> torch.Tensor:
         """True (a bool scalar on the device) while no write has failed: the predicate of every store."""
@@ -82,25 +91,33 @@ class WriteStatus:
             return
         dst.copy_(torch.where(self.ok(), src, dst))
 
+    def read(self) -> tuple[str | None, int]:
+        """The message of the first failed write (``None``: none failed) and how many writes were stored
+        before it (all checked writes when none failed); one host read."""
+        tag, reason, amax, before, checked = self.tensor.tolist()
+        if tag == 0:
+            return None, int(checked)
+        return self.message(int(tag), reason, amax), int(before)
+
     def failure(self) -> str | None:
         """The message of the first failed write, or ``None`` (one host read)."""
-        tag, reason, amax = self.tensor.tolist()
-        if tag == 0:
-            return None
-        what, limit, conditions = self.messages[int(tag) - 1]
+        return self.read()[0]
+
+    def message(self, tag: int, reason: float, amax: float) -> str:
+        what, limit, conditions = self.messages[tag - 1]
         if reason == NONFINITE:
-            return f"{what} contains NaN or Inf values; fix the model output before caching it"
+            return f"NaN or Inf values in {what}; fix the model output before caching it"
         if reason == TOO_LARGE:
             return (
-                f"{what} has values up to {amax:.3g}; the format stores magnitudes up to "
+                f"values up to {amax:.3g} in {what}; the format stores magnitudes up to "
                 f"2^{math.log2(limit):g} (~{limit:.2g}), beyond which float32 distances and scales overflow; "
                 "rescale the tensor"
             )
         return conditions[int(reason) - CONDITION]
 
     def clear(self) -> None:
+        """Forget the failure and the counts (the tags stay valid)."""
         self.tensor.zero_()
-        self.messages.clear()
 
     def raise_if_failed(self) -> None:
         """Raise ``ValueError`` with the first failure's message (then start clean); one host read."""

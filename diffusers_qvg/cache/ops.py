@@ -1,0 +1,83 @@
+"""A layer's two cache verbs as opaque torch ops, so a compiled forward calls them instead of tracing the cache.
+
+Inside ``torch.compile`` the cache's Python bookkeeping (which storage holds which chunk, the moves of a
+clean-context pass) must not be traced: it changes every chunk and would recompile the forward. Each verb is
+therefore a custom op that the compiler sees as one opaque call with fixed-shape tensor arguments; its
+implementation runs the cache's eager code, reading the live plan. Eager forwards call that code directly.
+
+- ``read_window`` decodes the layer's visible history and the current chunk into the window views
+  (it mutates them: the attention that follows depends on it).
+- ``store`` writes the forward's K/V where the plan says (the current ring slot, or a clean-context pass's
+  moves); it mutates the cache's write status, which orders it after the read of the same window and keeps
+  it alive. It changes Python state, so it is tagged ``cudagraph_unsafe``: CUDA graphs are split around it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .layer import LayerCache
+
+_CACHES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def register(cache: object) -> int:
+    """A process-unique id for ``cache``, the constant its compiled forwards pass to the ops."""
+    key = next(_IDS)
+    _CACHES[key] = cache
+    return key
+
+
+def _layer(cache: int, layer: int) -> "LayerCache":
+    return _CACHES[cache].layers[layer]
+
+
+@torch.library.custom_op("diffusers_qvg::read_window", mutates_args=("keys", "values"))
+def _read_window_op(
+    keys: torch.Tensor, values: torch.Tensor, rotated_key: torch.Tensor, value: torch.Tensor, cache: int, layer: int
+) -> None:
+    _layer(cache, layer).read(keys, values, rotated_key, value)
+
+
+@_read_window_op.register_fake
+def _(keys, values, rotated_key, value, cache, layer) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "diffusers_qvg::store", mutates_args=("status",), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def _store_op(
+    status: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: torch.Tensor, cache: int, layer: int,
+    final: bool,
+) -> None:
+    _layer(cache, layer).store(key, value, final)
+
+
+@_store_op.register_fake
+def _(status, key, value, window, cache, layer, final) -> None:
+    return None
+
+
+def read_window(
+    layer: "LayerCache", keys: torch.Tensor, values: torch.Tensor, rotated_key: torch.Tensor, value: torch.Tensor
+) -> None:
+    if torch.compiler.is_compiling():
+        torch.ops.diffusers_qvg.read_window(keys, values, rotated_key, value, layer.owner.op_id, layer.index)
+    else:
+        layer.read(keys, values, rotated_key, value)
+
+
+def store(layer: "LayerCache", key: torch.Tensor, value: torch.Tensor, window: torch.Tensor, final: bool) -> None:
+    """``window``: the keys the layer just read, so that the store follows the read."""
+    if torch.compiler.is_compiling():
+        status = layer.owner.status.tensor
+        torch.ops.diffusers_qvg.store(status, key, value, window, layer.owner.op_id, layer.index, final)
+    else:
+        layer.store(key, value, final)
