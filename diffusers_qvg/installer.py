@@ -70,7 +70,15 @@ def enable_qvg(
         )
     refuse_block_skipping(transformer)
     config = CacheConfig(storage=storage, window_frames=window_frames, sink_frames=sink_frames, **options)
-    cache = QVGCache(config, len(names), guard=lambda: refuse_block_skipping(transformer))
+    attn = transformer.get_submodule(names[0])
+    cache = QVGCache(
+        config,
+        len(names),
+        guard=lambda: refuse_block_skipping(transformer),
+        rope=transformer.rope,
+        heads=attn.heads,
+        head_dim=attn.inner_dim // attn.heads,
+    )
     originals = dict(transformer.attn_processors)
     transformer.set_attn_processor(processors_for(transformer, cache))
     add_rope_offset_hook(transformer.rope, cache, originals)

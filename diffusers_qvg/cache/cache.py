@@ -87,13 +87,10 @@ class QVGCache:
         self.rope, self.heads, self.head_dim = rope, heads, head_dim
         self.op_id = ops.register(self)
         self.status: WriteStatus | None = None
+        self.active = False  # a bool, not derived from active_start: compiled forwards guard on it
         self.active_start: int | None = None
         self.active_final = False
         self.reset()
-
-    @property
-    def active(self) -> bool:
-        return self.active_start is not None
 
     def reset(self) -> None:
         """Forget every chunk and free all storage (the next video starts at any frame)."""
@@ -135,26 +132,30 @@ class QVGCache:
             )
         if self.guard is not None:
             self.guard()
-        self.active_start, self.active_final, self.plan, self.window = start_frame, final, None, None
-        self.block_writes = 0
-        completed = False
+        self.active, self.active_start, self.active_final, self.plan, self.window = True, start_frame, final, None, None
+        self.block_writes, self.block_moved = 0, False
+        start_layout, completed = self.layout, False
         try:
             if hidden_states is not None:
                 self.begin_forward(self.rope, hidden_states, *patch_grid(self.rope, hidden_states))
             yield self
             completed = True
         finally:
-            self.end_chunk(start_frame, completed)
+            self.end_chunk(start_frame, completed, start_layout)
 
-    def end_chunk(self, start_frame: int, completed: bool) -> None:
+    def end_chunk(self, start_frame: int, completed: bool, start_layout: ChunkLayout) -> None:
         """Close a chunk block: read the device-side write checks once, and settle a clean-context pass.
 
-        A failed first write leaves the cache as it was (its layout restored; nothing was stored, every
-        store being predicated on the status); a later one means some layers stored the chunk and others
-        did not, and the cache refuses to go on until it is reset.
+        A block that raised before it stored anything, or whose first write failed, leaves the cache as it
+        was (its layout restored; nothing was stored, every store being predicated on the status); a later
+        failure means some layers stored the chunk and others did not, and the cache refuses to go on until
+        it is reset.
         """
         commit, failure, stored = self.commit, None, 0
-        self.active_start, self.active_final, self.plan, self.window, self.commit = None, False, None, None, None
+        self.active, self.active_start, self.active_final = False, None, False
+        self.plan, self.window, self.commit = None, None, None
+        if not completed and not self.block_writes and not self.block_moved:
+            self.layout = start_layout  # planned, never stored: the chunk is not there
         if self.status is not None and self.block_writes:
             failure, stored = self.status.read() if completed else (None, 0)
             self.status.clear()
@@ -183,7 +184,7 @@ class QVGCache:
         Returns the chunk's RoPE ``(cos, sin)`` at its global frame positions.
         """
         if self.plan is not None:  # a further forward of the block: the same chunk, the same plan
-            if self.commit is not None and self.commit.layers_done and not torch.compiler.is_compiling():
+            if not torch.compiler.is_compiling() and self.commit is not None and self.commit.layers_done:
                 if len(self.commit.layers_done) == len(self.layers):
                     self.layout.check_start(self.active_start)  # raises: the chunk had its final pass
                 raise RuntimeError(
@@ -221,6 +222,7 @@ class QVGCache:
             storage = [(layer.ring, layer.sink, len(layer.blocks)) for layer in self.layers]
             commit = Commit(*layout.finalize(), previous=layout, storage=storage)
         if moves:
+            self.block_moved = True
             self.apply_moves(moves, layout)
         self.layout = layout
         self.plan = self.planned[1]

@@ -57,7 +57,9 @@ def _store_op(
     status: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: torch.Tensor, cache: int, layer: int,
     final: bool,
 ) -> None:
-    _layer(cache, layer).store(key, value, final)
+    target = _layer(cache, layer)
+    with target.owner.status.bound(status):
+        target.store(key, value, final)
 
 
 @_store_op.register_fake

@@ -67,5 +67,5 @@ def build_read_plan(
         current_tokens=current.tokens,
         window_tokens=dst,
         rotary=rotary,
-        current_rotary=tuple(t[:, start:dst].clone() for t in rotary),
+        current_rotary=tuple(t[:, start:dst].clone(memory_format=torch.contiguous_format) for t in rotary),
     )

@@ -12,7 +12,8 @@ raises the first failure with the message of the write that caused it. Without a
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 
@@ -40,6 +41,16 @@ class WriteStatus:
     @property
     def device(self) -> torch.device:
         return self.tensor.device
+
+    @contextmanager
+    def bound(self, tensor: torch.Tensor) -> Iterator["WriteStatus"]:
+        """Record into ``tensor`` inside the block: a compiled graph hands an op the status it mutates
+        (possibly a functional copy it writes back afterwards), and the op must update that one."""
+        own, self.tensor = self.tensor, tensor
+        try:
+            yield self
+        finally:
+            self.tensor = own
 
     def check(
         self,
