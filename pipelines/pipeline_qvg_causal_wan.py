@@ -16,7 +16,7 @@ from diffusers.utils import logging, replace_example_docstring
 from diffusers.video_processor import VideoProcessor
 from transformers import AutoTokenizer, UMT5EncoderModel
 
-from diffusers_qvg import resolve_codec
+from diffusers_qvg import CacheConfig, QVGCache, disable_qvg, enable_qvg, resolve_codec
 
 from .random_models import self_forcing_scheduler
 from .stream_state import QVGStreamState
@@ -75,6 +75,8 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         self.vae_scale_factor_spatial = self.vae.config.scale_factor_spatial
         self.video_processor = VideoProcessor(vae_scale_factor=self.vae_scale_factor_spatial)
         self._live_stream: QVGStreamState | None = None  # the open stream, owner of the transformer's cache
+        self._kept_cache: QVGCache | None = None  # installed across videos once the transformer is compiled
+        self._keep_cache = False
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, **kwargs):
@@ -210,6 +212,39 @@ class QVGCausalWanPipeline(DiffusionPipeline):
     def _release_stream(self, state: QVGStreamState) -> None:
         if self._live_stream is state:
             self._live_stream = None
+
+    # ----------------------------------------------------------------------------------------- compile
+    def compile_transformer(self, **compile_kwargs) -> None:
+        """Compile the transformer in place (``torch.compile``, ``fullgraph=True`` unless told otherwise) for
+        chunk-by-chunk generation, and keep one KV cache installed from one video to the next.
+
+        A compiled forward holds tensor work only: the pipeline plans each chunk before its forward, and the
+        cache's reads and writes are opaque ops. The first two chunks of the first video compile (a
+        denoising and a clean-context graph, then both again with the window length dynamic), minutes for
+        a 30-layer model; later chunks and videos with the same settings reuse the graphs. Pass
+        ``mode="reduce-overhead"`` for CUDA graphs (see docs/generate.md for what they capture).
+        """
+        compile_kwargs.setdefault("fullgraph", True)
+        self.transformer.compile(**compile_kwargs)
+        self._keep_cache = True
+
+    def _install_cache(self, storage: Any, **options) -> QVGCache:
+        """The stream's cache: a new one on the transformer, or, once compiled, the kept one reset for
+        these settings (a new cache would re-hook the transformer and recompile it)."""
+        if self._kept_cache is not None:
+            self._kept_cache.reset(CacheConfig(storage=storage, **options))
+            return self._kept_cache
+        cache = enable_qvg(self.transformer, storage, **options)
+        if self._keep_cache:
+            self._kept_cache = cache
+        return cache
+
+    def _uninstall_cache(self, cache: QVGCache) -> None:
+        """A stream is done with ``cache``: stock processors back, or (compiled) the cache kept, emptied."""
+        if cache is self._kept_cache:
+            cache.reset()
+        else:
+            disable_qvg(self.transformer)
 
     # ----------------------------------------------------------------------------------------- call
     @torch.no_grad()

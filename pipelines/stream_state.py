@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from diffusers_qvg import disable_qvg, enable_qvg
-
 from .streaming_decoder import StreamingWanDecoder
 
 if TYPE_CHECKING:
@@ -69,8 +67,8 @@ class QVGStreamState:
         self.decoder = StreamingWanDecoder(pipe.vae) if output_type != "latent" else None
         self.chunk_index = 0
         self._step = 0
-        self.cache = enable_qvg(
-            pipe.transformer, kv_cache, window_frames=window_frames, sink_frames=sink_frames,
+        self.cache = pipe._install_cache(
+            kv_cache, window_frames=window_frames, sink_frames=sink_frames,
             keep_recent_chunks=keep_recent_chunks, commit="final-pass",
             expected_frames=None if num_chunks is None else num_chunks * latent_shape[2],
         )
@@ -119,7 +117,7 @@ class QVGStreamState:
         if not self.closed:
             self.closed = True
             self._progress.close()
-            disable_qvg(self.pipe.transformer)
+            self.pipe._uninstall_cache(self.cache)
             self.pipe._release_stream(self)
 
     @torch.no_grad()
@@ -156,7 +154,7 @@ class QVGStreamState:
             model_input = torch.cat([model_input, model_input])
             text = torch.cat([self.negative_prompt_embeds, self.prompt_embeds])
         timestep = t.to(torch.float32).expand(model_input.shape[0])
-        with self.cache.chunk(start_frame=self.start_frame, final=final):
+        with self.cache.chunk(start_frame=self.start_frame, final=final, hidden_states=model_input):
             flow = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=text,
                                return_dict=False)[0].float()
         if self.do_classifier_free_guidance:

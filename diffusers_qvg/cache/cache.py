@@ -92,10 +92,16 @@ class QVGCache:
         self.active_final = False
         self.reset()
 
-    def reset(self) -> None:
-        """Forget every chunk and free all storage (the next video starts at any frame)."""
+    def reset(self, config: CacheConfig | None = None) -> None:
+        """Forget every chunk and free all storage (the next video starts at any frame); ``config``
+        replaces the cache's policy for the next video (a compiled transformer keeps its cache, and so its
+        graphs, from one video to the next)."""
         if self.active:
             raise RuntimeError("cache.reset() inside an active cache.chunk(...) block; reset between chunks")
+        if config is not None:
+            if not isinstance(config, CacheConfig):
+                raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
+            self.config = config
         self.layout = ChunkLayout(self.config)
         self.geometry: tuple[int, int, int, torch.dtype, torch.device] | None = None
         self.plan: ReadPlan | None = None

@@ -9,7 +9,12 @@ implementation runs the cache's eager code, reading the live plan. Eager forward
   (it mutates them: the attention that follows depends on it).
 - ``store`` writes the forward's K/V where the plan says (the current ring slot, or a clean-context pass's
   moves); it mutates the cache's write status, which orders it after the read of the same window and keeps
-  it alive. It changes Python state, so it is tagged ``cudagraph_unsafe``: CUDA graphs are split around it.
+  it alive.
+
+Both read the plan of the chunk at run time (segment tables and RoPE tables made per chunk, host rows for
+the PyTorch decoders), which a replayed CUDA graph would not: they are tagged ``cudagraph_unsafe``, so CUDA
+graphs (``mode="reduce-overhead"``) are split around them and stay correct. docs/generate.md says what a
+capture of the whole forward would need.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ def _layer(cache: int, layer: int) -> "LayerCache":
     return _CACHES[cache].layers[layer]
 
 
-@torch.library.custom_op("diffusers_qvg::read_window", mutates_args=("keys", "values"))
+@torch.library.custom_op(
+    "diffusers_qvg::read_window", mutates_args=("keys", "values"), tags=(torch.Tag.cudagraph_unsafe,)
+)
 def _read_window_op(
     keys: torch.Tensor, values: torch.Tensor, rotated_key: torch.Tensor, value: torch.Tensor, cache: int, layer: int
 ) -> None:

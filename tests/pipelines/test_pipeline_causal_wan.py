@@ -174,3 +174,27 @@ def test_bad_inputs_raise_before_any_state_changes(pipe, kwargs, match):
         pipe(**args)
     assert stock_processors(pipe)
     assert pipe._live_stream is None
+
+
+@torch.no_grad()
+def test_a_compiled_pipeline_matches_eager_and_reuses_its_graphs_across_videos():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from diffusers_qvg.pipelines import QVGCausalWanPipeline, tiny_components
+
+    torch._dynamo.reset()
+    eager, compiled = (QVGCausalWanPipeline(**tiny_components(seed=0)) for _ in range(2))
+    for p in (eager, compiled):
+        p.set_progress_bar_config(disable=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled.compile_transformer(backend=counter)
+    settings = dict(**SMALL, num_frames=33, kv_cache="bf16", window_frames=6, output_type="latent")
+    counts = []
+    for seed in (0, 1):
+        video = compiled(**settings, generator=seeded(seed)).frames
+        assert torch.equal(video, eager(**settings, generator=seeded(seed)).frames)
+        counts.append(counter.frame_count)
+    assert counts[0] == counts[1] <= 4  # the second video compiles nothing
+    assert compiled._kept_cache is not None and not stock_processors(compiled)  # kept installed, emptied
+    assert compiled._kept_cache.layout.chunks == [] and stock_processors(eager)
+    torch._dynamo.reset()
