@@ -13,7 +13,7 @@ from diffusers.hooks import HookRegistry
 from .cache import CacheConfig, QVGCache
 from .codecs import CodecConfig
 from .processors import processors_for
-from .processors.select import self_attention_names
+from .processors.select import self_attention_names, stock_processor
 from .rope_offset import ROPE_OFFSET_HOOK, add_rope_offset_hook, remove_rope_offset_hook
 
 # Hooks of diffusers' caches that skip blocks or reuse attention outputs: they would skip cache writes.
@@ -59,6 +59,17 @@ def enable_qvg(
     ``keys_before_rope``, ``warm_start``, ``chunk_frames``, ``commit``, ``expected_frames``). With
     ``commit="final-pass"`` run each chunk's clean-context pass inside ``cache.chunk(start_frame=f, final=True)``.
     """
+    names = supported_layers(transformer)
+    config = CacheConfig(storage=storage, window_frames=window_frames, sink_frames=sink_frames, **options)
+    cache = QVGCache(config, len(names))
+    originals = dict(transformer.attn_processors)
+    transformer.set_attn_processor(processors_for(transformer, cache))
+    attach_cache(transformer, cache, originals)
+    return cache
+
+
+def supported_layers(transformer: torch.nn.Module) -> list[str]:
+    """The transformer's self-attention module names, once its support and state are checked."""
     registry = getattr(getattr(transformer, "rope", None), "_diffusers_hook", None)
     if registry is not None and registry.get_hook(ROPE_OFFSET_HOOK) is not None:
         raise ValueError("diffusers_qvg is already enabled on this transformer; call disable_qvg(transformer) first")
@@ -69,20 +80,28 @@ def enable_qvg(
             "supports Wan-layout transformers (WanTransformer3DModel, SkyReelsV2Transformer3DModel)"
         )
     refuse_block_skipping(transformer)
-    config = CacheConfig(storage=storage, window_frames=window_frames, sink_frames=sink_frames, **options)
+    return names
+
+
+def attach_cache(transformer: torch.nn.Module, cache: QVGCache, original_processors: dict | None = None) -> None:
+    """Register the RoPE frame-offset hook for ``cache`` and give the cache what plans a chunk before its
+    forward (the RoPE module, heads, head_dim) and its block-skipping guard.
+
+    ``original_processors`` are what :func:`disable_qvg` restores; by default the current processors, with
+    the stock class in place of each cached one (they were set by hand with ``set_attn_processor``).
+    """
+    names = supported_layers(transformer)
+    if cache.layers_fixed and len(cache.layers) != len(names):
+        raise ValueError(
+            f"the cache has {len(cache.layers)} layers but {type(transformer).__name__} has {len(names)} "
+            "self-attention layers; create the cache for this transformer"
+        )
+    if original_processors is None:
+        original_processors = {name: stock_processor(p) for name, p in transformer.attn_processors.items()}
     attn = transformer.get_submodule(names[0])
-    cache = QVGCache(
-        config,
-        len(names),
-        guard=lambda: refuse_block_skipping(transformer),
-        rope=transformer.rope,
-        heads=attn.heads,
-        head_dim=attn.inner_dim // attn.heads,
-    )
-    originals = dict(transformer.attn_processors)
-    transformer.set_attn_processor(processors_for(transformer, cache))
-    add_rope_offset_hook(transformer.rope, cache, originals)
-    return cache
+    cache.rope, cache.heads, cache.head_dim = transformer.rope, attn.heads, attn.inner_dim // attn.heads
+    cache.guard = lambda: refuse_block_skipping(transformer)
+    add_rope_offset_hook(transformer.rope, cache, original_processors)
 
 
 def disable_qvg(transformer: torch.nn.Module) -> None:

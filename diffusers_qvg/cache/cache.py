@@ -66,22 +66,32 @@ class QVGCache:
 
     def __init__(
         self,
-        config: CacheConfig,
-        num_layers: int,
+        config: CacheConfig | None = None,
+        num_layers: int | None = None,
         guard: Callable[[], None] | None = None,
         *,
         rope: torch.nn.Module | None = None,
         heads: int | None = None,
         head_dim: int | None = None,
     ) -> None:
-        """``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there).
+        """``config`` defaults to ``CacheConfig()``. ``num_layers``: the transformer's self-attention layers;
+        ``None`` finds them as their processors first call the cache, in order, during the first chunk
+        (a shared ``QVGWanAttnProcessor(cache)`` needs no count); after that block the count is fixed.
 
+        ``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there).
         ``rope`` (the transformer's ``WanRotaryPosEmbed``), ``heads`` and ``head_dim`` let
-        ``chunk(hidden_states=...)`` plan a chunk and size its window before the forward; the installer
-        passes them.
+        ``chunk(hidden_states=...)`` plan a chunk and size its window before the forward;
+        :func:`~diffusers_qvg.enable_qvg` and :meth:`attach` pass them.
         """
+        config = CacheConfig() if config is None else config
+        if not isinstance(config, CacheConfig):
+            raise TypeError(f"config must be a diffusers_qvg.CacheConfig, got {type(config).__name__}")
+        if num_layers is not None and (not isinstance(num_layers, int) or num_layers < 1):
+            raise ValueError(f"num_layers={num_layers!r} is invalid: use a positive integer or None (found in use)")
         self.config = config
-        self.layers = [LayerCache(self, i) for i in range(num_layers)]
+        self.layers = [LayerCache(self, i) for i in range(num_layers or 0)]
+        self.layers_fixed = num_layers is not None
+        self.module_layers: dict[int, int] = {}  # id(attention module) -> layer, for processors without an index
         self.workspace = Workspace()
         self.guard = guard
         self.rope, self.heads, self.head_dim = rope, heads, head_dim
@@ -134,7 +144,8 @@ class QVGCache:
         if hidden_states is not None and self.rope is None:
             raise ValueError(
                 "cache.chunk(hidden_states=...) plans the chunk with the transformer's RoPE module, which this "
-                "cache was not given; create it with diffusers_qvg.enable_qvg(transformer, ...)"
+                "cache was not given; call `cache.attach(transformer)` once (or create the cache with "
+                "diffusers_qvg.enable_qvg(transformer, ...))"
             )
         if self.guard is not None:
             self.guard()
@@ -168,9 +179,14 @@ class QVGCache:
         if failure is not None and stored == 0:
             if commit is not None:  # storage allocated for the pass was never written: drop it too
                 self.layout = commit.previous
-                for layer, (ring, sink, blocks) in zip(self.layers, commit.storage):
+                storage = commit.storage + [(None, None, 0)] * (len(self.layers) - len(commit.storage))
+                for layer, (ring, sink, blocks) in zip(self.layers, storage):  # layers found by this pass: empty
                     layer.ring, layer.sink, layer.blocks = ring, sink, layer.blocks[:blocks]
             raise ValueError(f"{failure}; nothing was cached")
+        if completed and self.layers:
+            self.layers_fixed = True
+        if failure is None and commit is not None and len(commit.layers_done) == len(self.layers):
+            self.layout = commit.layout  # every layer stored the chunk: it is final
         partial = commit is not None and commit.layers_done and len(commit.layers_done) < len(self.layers)
         if failure is not None or partial:
             done = f"{len(commit.layers_done)} of {len(self.layers)} layers" if partial else f"{stored} writes"
@@ -192,7 +208,7 @@ class QVGCache:
         if self.plan is not None:  # a further forward of the block: the same chunk, the same plan
             if not torch.compiler.is_compiling() and self.commit is not None and self.commit.layers_done:
                 if len(self.commit.layers_done) == len(self.layers):
-                    self.layout.check_start(self.active_start)  # raises: the chunk had its final pass
+                    self.commit.layout.check_start(self.active_start)  # raises: the chunk had its final pass
                 raise RuntimeError(
                     "the previous forward stopped part-way through its clean-context pass; leave the "
                     "cache.chunk(...) block, call cache.reset() and generate the video again"
@@ -269,13 +285,44 @@ class QVGCache:
             )
 
     def layer_committed(self, index: int) -> None:
-        """Layer ``index`` stored its part of the clean-context pass; once all have, the chunk is final."""
+        """Layer ``index`` stored its part of the clean-context pass; once all have, the chunk is final (for
+        layers still being found, at the block's end)."""
         self.commit.layers_done.add(index)
-        if len(self.commit.layers_done) == len(self.layers):
+        if self.layers_fixed and len(self.commit.layers_done) == len(self.layers):
             self.layout = self.commit.layout
+
+    def layer_for(self, module: torch.nn.Module) -> LayerCache:
+        """The layer of a self-attention ``module`` whose processor has no index: found in call order
+        during the first chunk, then fixed."""
+        index = self.module_layers.get(id(module))
+        if index is None:
+            if self.layers_fixed and len(self.module_layers) >= len(self.layers):
+                raise ValueError(
+                    f"{type(module).__name__} {id(module):#x} calls this cache, which already holds the "
+                    f"{len(self.layers)} self-attention layers it found; use one cache per transformer (and "
+                    "one processor setup per cache)"
+                )
+            index = len(self.module_layers)
+            self.module_layers[id(module)] = index
+            if index == len(self.layers):
+                self.layers.append(LayerCache(self, index))
+        return self.layers[index]
+
+    def attach(self, transformer: torch.nn.Module) -> None:
+        """Give ``transformer``'s RoPE the cache's frame offset (what :func:`~diffusers_qvg.enable_qvg` adds
+        to the processors): for caches whose processors were set with ``transformer.set_attn_processor``."""
+        from ..installer import attach_cache
+
+        attach_cache(transformer, self)
 
     def require_plan(self) -> ReadPlan:
         if self.plan is None:
+            if self.active:
+                raise RuntimeError(
+                    "the transformer's RoPE has no frame offset for this cache, so the chunk's positions are "
+                    "unknown; after transformer.set_attn_processor(...) call `cache.attach(transformer)` once "
+                    "(diffusers_qvg.enable_qvg does both)"
+                )
             raise RuntimeError(
                 "no cached forward is in progress: run the transformer inside `with cache.chunk(start_frame=...)` "
                 "on a transformer prepared by diffusers_qvg.enable_qvg (its RoPE hook starts each forward)"

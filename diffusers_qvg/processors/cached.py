@@ -19,7 +19,9 @@ class CachedSelfAttentionProcessor:
     """Keeps the stock class's ``_attention_backend`` / ``_parallel_config`` class attributes, so
     ``transformer.set_attention_backend`` reaches it."""
 
-    def __init__(self, cache: QVGCache, layer_idx: int) -> None:
+    def __init__(self, cache: QVGCache, layer_idx: int | None = None) -> None:
+        """``layer_idx=None``: one processor may serve every layer (``transformer.set_attn_processor(
+        QVGWanAttnProcessor(cache))``); the cache finds each module's layer in call order."""
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
@@ -44,13 +46,15 @@ class CachedSelfAttentionProcessor:
                 "context parallelism splits a chunk's tokens across ranks, which this cache does not shard yet; "
                 "use data parallelism (one video per rank) with the cache"
             )
+        self.cache.require_plan()  # before the layer is looked up: a missing RoPE offset changes nothing
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
         query = attn.norm_q(query)
         key = attn.norm_k(key)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
 
+        layer = self.cache.layers[self.layer_idx] if self.layer_idx is not None else self.cache.layer_for(attn)
         hidden_states = cached_self_attention(
-            self.cache.layers[self.layer_idx],
+            layer,
             query,
             key,
             value,

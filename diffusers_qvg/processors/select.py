@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import torch
-from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention
-from diffusers.models.transformers.transformer_wan import WanAttention
+from diffusers.models.transformers.transformer_skyreels_v2 import SkyReelsV2Attention, SkyReelsV2AttnProcessor
+from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
 from ..cache import QVGCache
 from .skyreels_v2 import QVGSkyReelsV2AttnProcessor
 from .wan import QVGWanAttnProcessor
 
 CACHED_PROCESSORS = {WanAttention: QVGWanAttnProcessor, SkyReelsV2Attention: QVGSkyReelsV2AttnProcessor}
+STOCK_PROCESSORS = {QVGWanAttnProcessor: WanAttnProcessor, QVGSkyReelsV2AttnProcessor: SkyReelsV2AttnProcessor}
+
+
+def stock_processor(processor: object) -> object:
+    """``processor`` itself, or a new stock processor in place of a cached one."""
+    stock = STOCK_PROCESSORS.get(type(processor))
+    return processor if stock is None else stock()
 
 
 def self_attention_names(transformer: torch.nn.Module) -> list[str]:
