@@ -120,7 +120,8 @@ def bench_window(window, storages, geo, dtype, device, warmup, repeats) -> list[
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--small", action="store_true", help="tiny geometry for a CPU smoke run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2"])

@@ -57,7 +57,8 @@ def markdown_table(results: dict[str, CodecQuality]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument(
         "--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64, 64 queries), seconds"
     )

@@ -113,7 +113,7 @@ def compare(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--small", action="store_true", help="tiny model on the CPU at 160x160")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--frames", type=int, nargs="+", default=None, help="latent frames (default 21 42)")

@@ -104,7 +104,8 @@ def plain_unpack(device: torch.device) -> tuple[Callable, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--small", action="store_true", help="tiny sizes (on CPU: Triton's interpreter), seconds")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default 50 on CUDA, 2 small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10 on CUDA, 1 small)")
