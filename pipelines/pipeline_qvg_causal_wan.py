@@ -106,7 +106,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         return (num_frames - 1) // t + 1
 
     def check_inputs(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width,
-                     guidance_scale, output_type, callback_on_step_end_tensor_inputs) -> None:
+                     guidance_scale, output_type, callback_on_step_end_tensor_inputs, max_sequence_length) -> None:
         multiple = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
         if height % multiple or width % multiple or height <= 0 or width <= 0:
             raise ValueError(f"height and width must be positive multiples of {multiple}; got {height}x{width}")
@@ -120,6 +120,19 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             raise ValueError("this pipeline has no text encoder/tokenizer: pass `prompt_embeds` instead of `prompt`")
         if guidance_scale > 1.0 and prompt_embeds is not None and negative_prompt_embeds is None and self.text_encoder is None:
             raise ValueError("guidance_scale > 1 without a text encoder needs `negative_prompt_embeds`")
+        text_dim = self.transformer.config.text_dim
+        for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
+            if embeds is None:
+                continue
+            if embeds.dim() != 3 or embeds.shape[2] != text_dim:
+                raise ValueError(f"`{name}` has shape {tuple(embeds.shape)}; it must be [batch, tokens, {text_dim}] "
+                                 f"(the transformer's text_dim)")
+            if embeds.shape[1] > max_sequence_length:
+                raise ValueError(
+                    f"`{name}` has {embeds.shape[1]} tokens, more than max_sequence_length={max_sequence_length}; "
+                    f"pass at most {max_sequence_length} tokens (the real ones: shorter embeddings are zero-padded) "
+                    "or raise max_sequence_length"
+                )
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r} is invalid: use one of {list(OUTPUT_TYPES)}")
         unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
@@ -162,7 +175,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         self.check_inputs(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width,
-                          guidance_scale, output_type, callback_on_step_end_tensor_inputs)
+                          guidance_scale, output_type, callback_on_step_end_tensor_inputs, max_sequence_length)
         num_chunks = None
         if num_frames is not None:
             num_chunks = self.latent_frames_for(num_frames, frames_per_chunk) // frames_per_chunk
@@ -177,6 +190,8 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length, device=device,
         )
+        prompt_embeds = pad_text(prompt_embeds, max_sequence_length)
+        negative_prompt_embeds = pad_text(negative_prompt_embeds, max_sequence_length)
         dtype = self.transformer.dtype
         batch = prompt_embeds.shape[0]
         latent_shape = (batch, self.transformer.config.in_channels, frames_per_chunk,
@@ -261,9 +276,14 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             guidance_scale: CFG when > 1, both branches in one batch over one cache (distilled
                 Self-Forcing/CausVid models need none: 1.0).
             generator: seeds the initial noise of each chunk and every re-noising (default: seed 0).
+            prompt_embeds / negative_prompt_embeds: text-encoder states [batch, tokens, text_dim] instead of
+                ``prompt`` / ``negative_prompt``. Shorter than ``max_sequence_length``, they are zero-padded after
+                their tokens, as upstream Self-Forcing pads the text inside its model and as the pipeline pads
+                the text it encodes, so the same embeddings give the same video padded or not; longer ones raise.
             output_type: ``"np"``, ``"pt"``, ``"pil"`` or ``"latent"``.
             callback_on_step_end: called after every denoising step as ``(pipe, step, timestep, kwargs)``;
                 ``step`` counts across chunks.
+            max_sequence_length: text tokens the transformer attends to (UMT5: 512, Wan's and Self-Forcing's).
 
         Examples:
         """
@@ -282,6 +302,18 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             video = concat_chunks(list(state), output_type)
         self.maybe_free_model_hooks()
         return WanPipelineOutput(frames=video) if return_dict else (video,)
+
+
+def pad_text(embeds: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """Zeros after the real tokens up to ``length`` ([B, tokens, dim] -> [B, length, dim]).
+
+    Upstream Self-Forcing's ``CausalWanModel`` pads every prompt this way before its text embedding, and
+    ``WanPipeline`` pads what it encodes: the zero tokens still take attention mass in the cross-attention, so
+    embeddings of different lengths give different videos unless padded the same way.
+    """
+    if embeds is None:
+        return None
+    return torch.nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))
 
 
 def concat_chunks(chunks: list[Any], output_type: str) -> Any:
