@@ -152,6 +152,18 @@ def test_callback_sees_every_step_and_can_edit_latents(pipe):
     assert torch.count_nonzero(latents) == 0
 
 
+def test_plain_bf16_cache_stores_rotated_keys_and_gives_the_same_video(pipe):
+    """``keys_before_rope=False`` (Self-Forcing's layout, nothing rotated on read: bench_e2e's plain anchor)
+    changes where keys are rotated, not the video."""
+    def video(**kwargs):
+        with pipe.stream(**SMALL, num_frames=33, kv_cache="bf16", output_type="latent", generator=seeded(2),
+                         **kwargs) as state:
+            assert state.cache.config.keys_before_rope == kwargs.get("keys_before_rope", True)
+            return torch.cat(list(state), dim=2)
+
+    assert torch.equal(video(), video(keys_before_rope=False))
+
+
 def test_short_prompt_embeds_are_zero_padded_as_upstream(pipe):
     """Self-Forcing pads the text with zeros to 512 tokens inside its model: the same embeddings, padded by
     the caller or not, give the same video (both branches of classifier-free guidance, over two chunks)."""
