@@ -23,6 +23,7 @@ from matplotlib.figure import Figure  # noqa: E402
 
 COLORS = {"bf16": "tab:gray", "qvg-int2": "tab:blue", "qvg-int4": "tab:green"}
 STYLES = ["-", "--", ":", "-."]
+DEFAULT_CODEC = "qvg-int2"
 
 
 def memory_figure(report: dict) -> Figure:
@@ -55,29 +56,33 @@ def memory_figure(report: dict) -> Figure:
 
 
 def codec_figure(report: dict) -> Figure:
-    """Attention error (flat and sharp queries) against bits/element, one point per codec row; lossless rows
-    (error 0) cannot sit on the log axis and are named in the caption."""
+    """Attention error (flat and sharp queries) against bits/element, one point per codec row, named in the
+    legend; lossless rows (error 0) cannot sit on the log axis and are named in the caption."""
     rows, meta = report["rows"], report["meta"]
     lossy = [r for r in rows if r["attention_error_pre_rope"] > 0]
     lossless = [r["codec"] for r in rows if r["attention_error_pre_rope"] == 0]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.8), dpi=120, sharex=True)
+    colors = plt.get_cmap("tab20").colors
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120, sharex=True)
     for ax, field, title in zip(axes, ("attention_error_pre_rope", "sharp_attention_error_pre_rope"),
                                 ("attention error", f"sharp attention error (queries x {meta['sharpness']:g})")):
-        for r in lossy:
-            color = "tab:blue" if r["codec"].startswith(("qvg", "official")) else "tab:red"
-            ax.scatter(r["bits_per_element"], r[field], color=color, s=18)
-            ax.annotate(r["codec"], (r["bits_per_element"], r[field]), xytext=(3, 2), textcoords="offset points",
-                        fontsize=6)
+        for i, r in enumerate(lossy):
+            baseline = not r["codec"].startswith(("qvg", "official"))
+            default = r["codec"] == DEFAULT_CODEC  # drawn large and on top: variants share its bits
+            ax.scatter(r["bits_per_element"], r[field], color=colors[i % len(colors)], label=r["codec"],
+                       marker="*" if default else "s" if baseline else "o", s=120 if default else 30,
+                       zorder=3 if default else 2, edgecolors="black", linewidths=0.3)
         ax.set(xlabel="bits per element (K and V)", yscale="log", title=title)
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("relL2 of softmax(QK^T)V, keys cached before RoPE")
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=7,
+               title=f"codec (star: the default, {DEFAULT_CODEC};\nsquares: RTN/KIVI)", title_fontsize=7)
     caption = (f"{meta['chunks']} chunks of {meta['tokens_per_chunk']} video-derived tokens, {meta['heads']} heads x "
-               f"{meta['head_dim']}; blue: QVG, red: RTN/KIVI baselines; {meta['command']}; {meta['date'][:10]}")
+               f"{meta['head_dim']}; {meta['command']}; {meta['date'][:10]}")
     if lossless:
         caption += f"; error 0 (not drawn): {', '.join(lossless)}"
     fig.text(0.01, 0.01, caption, fontsize=6, color="dimgray")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.tight_layout(rect=(0, 0.04, 0.83, 1))
     return fig
 
 
