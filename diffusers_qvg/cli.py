@@ -37,9 +37,25 @@ class VideoStats:
     seconds_per_chunk: float
 
 
+EXAMPLES = """examples:
+  # the embedded tiny model with random weights, on the CPU, in seconds (the frames are noise)
+  qvg-generate "a fox running through snow" --output fox.mp4
+
+  # a real Self-Forcing checkpoint on the Wan2.1-T2V-1.3B base (diffusers layout), 81 frames
+  qvg-generate --prompt "a corgi surfing a wave at sunset" --model checkpoints/self_forcing_dmd.pt \\
+      --base Wan2.1-T2V-1.3B-Diffusers --num-frames 81 --kv-cache qvg-int2 --output corgi.mp4
+
+  # a prompts file split across 8 GPUs, one video per line in videos/
+  accelerate launch --num_processes 8 -m diffusers_qvg.cli --prompts-file prompts.txt \\
+      --model checkpoints/self_forcing_dmd.pt --base Wan2.1-T2V-1.3B-Diffusers --output videos/
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="qvg-generate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("prompt", nargs="?", help="the text prompt (or use --prompts-file)")
+    parser = argparse.ArgumentParser(prog="qvg-generate", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    parser.add_argument("prompt", nargs="?", help="the text prompt (or --prompt, or --prompts-file)")
+    parser.add_argument("--prompt", dest="prompt_option", metavar="PROMPT", help="the text prompt, as a flag")
     parser.add_argument("--prompts-file", help="one prompt per line; --output is then a directory")
     parser.add_argument("--model", help="a diffusers pipeline folder, or a causal Wan checkpoint (.pt/.safetensors)")
     parser.add_argument("--base", help="Wan base model folder (diffusers layout) for a --model checkpoint file")
@@ -64,8 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt is not None and args.prompt_option is not None:
+        raise SystemExit(f"qvg-generate: the prompt is given twice ({args.prompt!r} and --prompt "
+                         f"{args.prompt_option!r}); give it once, positionally or with --prompt")
+    if args.prompt_option is not None:
+        args.prompt = args.prompt_option
     if (args.prompt is None) == (args.prompts_file is None):
-        raise SystemExit("qvg-generate: give a prompt or --prompts-file (exactly one)")
+        raise SystemExit("qvg-generate: give a prompt (positionally or with --prompt) or --prompts-file (exactly one)")
     if args.prompt is not None:
         return [args.prompt]
     with open(args.prompts_file) as f:
@@ -174,10 +195,17 @@ def main(argv: list[str] | None = None) -> None:
         mine_prompts = [p for _, p in mine]
         paths = output_paths(args, indices, mine_prompts, state.process_index)
         rows = [generate_one(pipe, p, path, args, device) for p, path in zip(mine_prompts, paths)]
-    for row, path in zip(rows, paths):
-        print(f"[rank {state.process_index}] wrote {path}", flush=True)
-    print(f"[rank {state.process_index}]\n" + format_table(rows, args.kv_cache), flush=True)
+    ranked = state.num_processes > 1  # tag lines only where several processes interleave them
+    tag = f"[rank {state.process_index}] " if ranked else ""
+    for path in paths:
+        print(f"{tag}wrote {path}", flush=True)
+    table = format_table(rows, args.kv_cache)
+    print(f"{tag.rstrip()}\n{table}" if ranked else table, flush=True)
     if embedded and state.is_main_process:
         print("(toy model, random weights: at 300 tokens per chunk QVG's centroid tables and the preallocated "
               "chunk slots dominate the bytes, so the ratio says little; scripts/bench_e2e.py measures the "
               "Wan2.1-1.3B geometry)")
+
+
+if __name__ == "__main__":  # `python -m diffusers_qvg.cli`, and `accelerate launch -m diffusers_qvg.cli`
+    main()

@@ -108,7 +108,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         return (num_frames - 1) // t + 1
 
     def check_inputs(self, prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width,
-                     guidance_scale, output_type, callback_on_step_end_tensor_inputs) -> None:
+                     guidance_scale, output_type, callback_on_step_end_tensor_inputs, max_sequence_length) -> None:
         multiple = self.vae_scale_factor_spatial * self.transformer.config.patch_size[1]
         if height % multiple or width % multiple or height <= 0 or width <= 0:
             raise ValueError(f"height and width must be positive multiples of {multiple}; got {height}x{width}")
@@ -122,6 +122,19 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             raise ValueError("this pipeline has no text encoder/tokenizer: pass `prompt_embeds` instead of `prompt`")
         if guidance_scale > 1.0 and prompt_embeds is not None and negative_prompt_embeds is None and self.text_encoder is None:
             raise ValueError("guidance_scale > 1 without a text encoder needs `negative_prompt_embeds`")
+        text_dim = self.transformer.config.text_dim
+        for name, embeds in (("prompt_embeds", prompt_embeds), ("negative_prompt_embeds", negative_prompt_embeds)):
+            if embeds is None:
+                continue
+            if embeds.dim() != 3 or embeds.shape[2] != text_dim:
+                raise ValueError(f"`{name}` has shape {tuple(embeds.shape)}; it must be [batch, tokens, {text_dim}] "
+                                 f"(the transformer's text_dim)")
+            if embeds.shape[1] > max_sequence_length:
+                raise ValueError(
+                    f"`{name}` has {embeds.shape[1]} tokens, more than max_sequence_length={max_sequence_length}; "
+                    f"pass at most {max_sequence_length} tokens (the real ones: shorter embeddings are zero-padded) "
+                    "or raise max_sequence_length"
+                )
         if output_type not in OUTPUT_TYPES:
             raise ValueError(f"output_type={output_type!r} is invalid: use one of {list(OUTPUT_TYPES)}")
         unknown = [k for k in callback_on_step_end_tensor_inputs if k not in self._callback_tensor_inputs]
@@ -141,6 +154,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         window_frames: int | None = None,
         sink_frames: int = 0,
         keep_recent_chunks: int = 0,
+        keys_before_rope: bool = True,
         frames_per_chunk: int = 3,
         denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
         context_noise: float = 0.0,
@@ -164,7 +178,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
         self.check_inputs(prompt, negative_prompt, prompt_embeds, negative_prompt_embeds, height, width,
-                          guidance_scale, output_type, callback_on_step_end_tensor_inputs)
+                          guidance_scale, output_type, callback_on_step_end_tensor_inputs, max_sequence_length)
         num_chunks = None
         if num_frames is not None:
             num_chunks = self.latent_frames_for(num_frames, frames_per_chunk) // frames_per_chunk
@@ -179,6 +193,8 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, max_sequence_length=max_sequence_length, device=device,
         )
+        prompt_embeds = pad_text(prompt_embeds, max_sequence_length)
+        negative_prompt_embeds = pad_text(negative_prompt_embeds, max_sequence_length)
         dtype = self.transformer.dtype
         batch = prompt_embeds.shape[0]
         latent_shape = (batch, self.transformer.config.in_channels, frames_per_chunk,
@@ -196,6 +212,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             window_frames=window_frames,
             sink_frames=sink_frames,
             keep_recent_chunks=keep_recent_chunks,
+            keys_before_rope=keys_before_rope,
             latent_shape=latent_shape,
             num_chunks=num_chunks,
             guidance_scale=guidance_scale,
@@ -260,6 +277,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         window_frames: int | None = None,
         sink_frames: int = 0,
         keep_recent_chunks: int = 0,
+        keys_before_rope: bool = True,
         frames_per_chunk: int = 3,
         denoising_timesteps: tuple[float, ...] = (1000, 750, 500, 250),
         context_noise: float = 0.0,
@@ -290,22 +308,31 @@ class QVGCausalWanPipeline(DiffusionPipeline):
                 packed at its clean-context pass, the smallest cache, 7.1x below BF16 with "qvg-int2"; 1 cuts
                 the attention error on video-derived K/V by ~20% for ~1.9x more cache memory at 21 frames).
                 The chunk being denoised is never stored.
+            keys_before_rope: store keys before RoPE and rotate them as they are read (QVG clusters them far
+                better: ~25% less key error); ``False`` stores rotated keys, as Self-Forcing's own cache does, so
+                ``kv_cache="bf16", keys_before_rope=False`` is the plain BF16 cache (nothing rotated on read).
             frames_per_chunk: latent frames per chunk (Self-Forcing: 3).
             denoising_timesteps: before the shift-5 warp (Self-Forcing: 1000, 750, 500, 250).
             context_noise: timestep of the forward that writes a finished chunk's clean K/V (0).
             guidance_scale: CFG when > 1, both branches in one batch over one cache (distilled
                 Self-Forcing/CausVid models need none: 1.0).
             generator: seeds the initial noise of each chunk and every re-noising (default: seed 0).
+            prompt_embeds / negative_prompt_embeds: text-encoder states [batch, tokens, text_dim] instead of
+                ``prompt`` / ``negative_prompt``. Shorter than ``max_sequence_length``, they are zero-padded after
+                their tokens, as upstream Self-Forcing pads the text inside its model and as the pipeline pads
+                the text it encodes, so the same embeddings give the same video padded or not; longer ones raise.
             output_type: ``"np"``, ``"pt"``, ``"pil"`` or ``"latent"``.
             callback_on_step_end: called after every denoising step as ``(pipe, step, timestep, kwargs)``;
                 ``step`` counts across chunks.
+            max_sequence_length: text tokens the transformer attends to (UMT5: 512, Wan's and Self-Forcing's).
 
         Examples:
         """
         state = self.stream(
             prompt=prompt, negative_prompt=negative_prompt, height=height, width=width, num_frames=num_frames,
             kv_cache=kv_cache, window_frames=window_frames, sink_frames=sink_frames,
-            keep_recent_chunks=keep_recent_chunks, frames_per_chunk=frames_per_chunk, denoising_timesteps=denoising_timesteps,
+            keep_recent_chunks=keep_recent_chunks, keys_before_rope=keys_before_rope, frames_per_chunk=frames_per_chunk,
+            denoising_timesteps=denoising_timesteps,
             context_noise=context_noise, guidance_scale=guidance_scale,
             num_videos_per_prompt=num_videos_per_prompt, generator=generator, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, output_type=output_type,
@@ -317,6 +344,18 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             video = concat_chunks(list(state), output_type)
         self.maybe_free_model_hooks()
         return WanPipelineOutput(frames=video) if return_dict else (video,)
+
+
+def pad_text(embeds: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """Zeros after the real tokens up to ``length`` ([B, tokens, dim] -> [B, length, dim]).
+
+    Upstream Self-Forcing's ``CausalWanModel`` pads every prompt this way before its text embedding, and
+    ``WanPipeline`` pads what it encodes: the zero tokens still take attention mass in the cross-attention, so
+    embeddings of different lengths give different videos unless padded the same way.
+    """
+    if embeds is None:
+        return None
+    return torch.nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))
 
 
 def concat_chunks(chunks: list[Any], output_type: str) -> Any:

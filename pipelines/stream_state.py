@@ -42,6 +42,7 @@ class QVGStreamState:
         window_frames: int | None,
         sink_frames: int,
         keep_recent_chunks: int,
+        keys_before_rope: bool,
         latent_shape: tuple[int, int, int, int, int],
         num_chunks: int | None,
         guidance_scale: float,
@@ -69,7 +70,7 @@ class QVGStreamState:
         self._step = 0
         self.cache = pipe._install_cache(
             kv_cache, window_frames=window_frames, sink_frames=sink_frames,
-            keep_recent_chunks=keep_recent_chunks, commit="final-pass",
+            keep_recent_chunks=keep_recent_chunks, keys_before_rope=keys_before_rope, commit="final-pass",
             expected_frames=None if num_chunks is None else num_chunks * latent_shape[2],
         )
         self.closed = False

@@ -4,8 +4,11 @@ Self-Forcing geometry by default (12 heads x 128, 3-frame chunks of 1560 tokens 
 6/12/21/42 latent frames). A step is one denoising rewrite of the current chunk in one layer: write the
 chunk's K/V, make the window's keys and values available, attend. The anchor ("dense") is what the
 Self-Forcing family does: copy K/V into a preallocated dense cache and run attention over the window.
-``cache:<storage>`` runs the same step through ``LayerCache.update`` + ``dispatch_attention_fn``. Every
-figure is a median over warm repeats; ratios are against the anchor measured in the same run.
+``cache:<storage>`` runs the same step through ``LayerCache.update`` + ``dispatch_attention_fn``, in each cache
+configuration: ``enable_qvg``'s defaults (every forward stores the chunk in a BF16 slot, one finished chunk
+kept BF16) and the pipeline's (``commit="final-pass"``: a denoising step stores nothing; every finished chunk
+packed). Every figure is a median over warm repeats; ratios are against the anchor measured in the same run.
+A row that fails is recorded with its error and the run goes on.
 
     python scripts/bench_attention.py                       # on a GPU
     python scripts/bench_attention.py --small --device cpu  # the CPU smoke run the tests use
@@ -27,17 +30,24 @@ import diffusers_qvg as dq
 
 FULL = dict(heads=12, head_dim=128, height=30, width=52, chunk_frames=3, windows=(6, 12, 21, 42))
 SMALL = dict(heads=2, head_dim=64, height=8, width=16, chunk_frames=2, windows=(4, 8))
+# Cache configurations by name: enable_qvg's defaults, and QVGCausalWanPipeline's.
+CONFIGS = {
+    "on-advance, keep 1": dict(commit="on-advance", keep_recent_chunks=1),
+    "pipeline: final-pass, keep 0": dict(commit="final-pass", keep_recent_chunks=0),
+}
 
 
 @dataclass
 class Row:
     window_frames: int
     variant: str
+    config: str
     ms: float
     ratio: float
     step_peak_mib: float | None
     resident_mib: float
     workspace_mib: float
+    error: str | None = None
 
 
 def timed(step, device: torch.device, warmup: int, repeats: int) -> float:
@@ -73,7 +83,7 @@ def chunk_tensors(g, geo, dtype, device, n):
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
 
 
-def bench_window(window, storages, geo, dtype, device, warmup, repeats) -> list[Row]:
+def bench_window(window, storages, configs, geo, dtype, device, warmup, repeats) -> list[Row]:
     g = torch.Generator().manual_seed(window)
     chunks = window // geo["chunk_frames"]
     keys, values, queries = (chunk_tensors(g, geo, dtype, device, chunks) for _ in range(3))
@@ -90,40 +100,69 @@ def bench_window(window, storages, geo, dtype, device, warmup, repeats) -> list[
         dense_v[:, -n:].copy_(v)
         return dispatch_attention_fn(q, dense_k, dense_v)
 
-    anchor = timed(dense_step, device, warmup, repeats)
     resident = 2 * dense_k.numel() * dense_k.element_size() / 2**20
-    rows.append(Row(window, "dense", anchor, 1.0, step_peak_mib(dense_step, device), resident, 0.0))
+    try:
+        anchor = timed(dense_step, device, warmup, repeats)
+        rows.append(Row(window, "dense", "dense window", anchor, 1.0, step_peak_mib(dense_step, device), resident, 0.0))
+    except Exception as error:  # the cache rows still run (their ratios are then NaN)
+        anchor = float("nan")
+        rows.append(failed(window, "dense", "dense window", error))
     del dense_k, dense_v
 
     rope = WanRotaryPosEmbed(geo["head_dim"], (1, 1, 1), max_seq_len=1024).to(device)
     latent = torch.zeros(1, 1, geo["chunk_frames"], geo["height"], geo["width"], device=device)
-    for storage in storages:
-        cache = dq.QVGCache(dq.CacheConfig(storage=storage, window_frames=window), num_layers=1)
-        layer = cache.layers[0]
-        with torch.no_grad():
-            for c in range(chunks):  # fill the window; keys are written pre-RoPE and rotated on read
-                with cache.chunk(start_frame=c * geo["chunk_frames"]):
-                    cache.begin_forward(rope, latent, geo["chunk_frames"], geo["height"], geo["width"])
-                    layer.update(keys[c], keys[c], values[c])
-        with cache.chunk(start_frame=(chunks - 1) * geo["chunk_frames"]), torch.no_grad():
-            cache.begin_forward(rope, latent, geo["chunk_frames"], geo["height"], geo["width"])
-
-            def cache_step():
-                window_k, window_v = layer.update(k, k, v)
-                return dispatch_attention_fn(q, window_k, window_v)
-
-            ms = timed(cache_step, device, warmup, repeats)
-            peak = step_peak_mib(cache_step, device)
-        report = cache.memory_report()
-        rows.append(Row(window, f"cache:{storage}", ms, ms / anchor, peak, report.cache / 2**20, report.workspace / 2**20))
+    for config_name in configs:
+        for storage in storages:
+            try:
+                rows.append(bench_cache(storage, config_name, window, geo, (q, k, v), (keys, values), rope, latent,
+                                        anchor, device, warmup, repeats))
+            except Exception as error:  # one failing row must not cost the others
+                rows.append(failed(window, f"cache:{storage}", config_name, error))
     return rows
 
 
+def failed(window: int, variant: str, config: str, error: Exception) -> Row:
+    nan = float("nan")
+    return Row(window, variant, config, nan, nan, None, nan, nan, error=f"{type(error).__name__}: {error}")
+
+
+def bench_cache(storage, config_name, window, geo, current, history, rope, latent, anchor, device, warmup, repeats) -> Row:
+    """One cached step: the window filled chunk by chunk (keys pre-RoPE, rotated on read), then the newest
+    chunk's denoising rewrite timed."""
+    q, k, v = current
+    keys, values = history
+    chunks, frames = len(keys), geo["chunk_frames"]
+    config = CONFIGS[config_name]
+    cache = dq.QVGCache(dq.CacheConfig(storage=storage, window_frames=window, **config), num_layers=1)
+    layer = cache.layers[0]
+    final = config["commit"] == "final-pass"  # the chunk being denoised is never stored: fill the ones before it
+    with torch.no_grad():
+        for c in range(chunks - 1 if final else chunks):
+            with cache.chunk(start_frame=c * frames, final=final):
+                cache.begin_forward(rope, latent, frames, geo["height"], geo["width"])
+                layer.update(keys[c], keys[c], values[c])
+    with cache.chunk(start_frame=(chunks - 1) * frames), torch.no_grad():
+        cache.begin_forward(rope, latent, frames, geo["height"], geo["width"])
+
+        def cache_step():
+            window_k, window_v = layer.update(k, k, v)
+            return dispatch_attention_fn(q, window_k, window_v)
+
+        ms = timed(cache_step, device, warmup, repeats)
+        peak = step_peak_mib(cache_step, device)
+    report = cache.memory_report()
+    return Row(window, f"cache:{storage}", config_name, ms, ms / anchor, peak, report.cache / 2**20,
+               report.workspace / 2**20)
+
+
 def main(argv: list[str] | None = None) -> list[Row]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--small", action="store_true", help="tiny geometry for a CPU smoke run")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2"])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                        help="cache configurations (default: both)")
     parser.add_argument("--windows", nargs="+", type=int, help="latent frames per window (default: the geometry's)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=20)
@@ -135,18 +174,22 @@ def main(argv: list[str] | None = None) -> list[Row]:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for window in args.windows or geo["windows"]:
-        rows += bench_window(window, args.storages, geo, dtype, device, args.warmup, args.repeats)
+        rows += bench_window(window, args.storages, args.configs, geo, dtype, device, args.warmup, args.repeats)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"# one layer's cached attention step, {name}, {dtype}, {geo['heads']} heads x {geo['head_dim']}, "
           f"{geo['chunk_frames'] * geo['height'] * geo['width']}-token chunks")
-    print("| window (frames) | variant | ms (median) | vs dense | step peak MiB | cache MiB | workspace MiB (all layers) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| window (frames) | variant | cache configuration | ms (median) | vs dense | step peak MiB | cache MiB "
+          "| workspace MiB (all layers) |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
+        if r.error is not None:
+            print(f"| {r.window_frames} | {r.variant} | {r.config} | failed: {r.error} | | | | |")
+            continue
         peak = "n/a" if r.step_peak_mib is None else f"{r.step_peak_mib:.1f}"
         print(
-            f"| {r.window_frames} | {r.variant} | {r.ms:.3f} | {r.ratio:.2f}x | {peak} | {r.resident_mib:.1f} "
-            f"| {r.workspace_mib:.1f} |"
+            f"| {r.window_frames} | {r.variant} | {r.config} | {r.ms:.3f} | {r.ratio:.2f}x | {peak} "
+            f"| {r.resident_mib:.1f} | {r.workspace_mib:.1f} |"
         )
     if args.json:
         with open(args.json, "w") as f:

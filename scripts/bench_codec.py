@@ -3,11 +3,15 @@
     python scripts/bench_codec.py            # 7 chunks of 4680 tokens, 12 heads x 128 (a few minutes on CPU)
     python scripts/bench_codec.py --small    # tiny sizes, seconds (tests)
     python scripts/bench_codec.py --only qvg-int2 official-int2
+    python scripts/bench_codec.py --json docs/bench_codec.json   # also the rows as JSON (scripts/plot_benchmarks.py)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
+import json
 import platform
 import shlex
 import sys
@@ -57,7 +61,8 @@ def markdown_table(results: dict[str, CodecQuality]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument(
         "--small", action="store_true", help="tiny sizes (64x96 frames, 2 chunks, 2 heads x 64, 64 queries), seconds"
     )
@@ -72,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         help="torch CPU threads (default 1: on a shared CPU, multi-threaded ops wait ~10 ms for descheduled workers)",
     )
     parser.add_argument("--only", nargs="+", metavar="CODEC", help="rows to run (default: all)")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows and how they were measured to PATH")
     args = parser.parse_args(argv)
 
     rows = codec_rows()
@@ -97,11 +103,20 @@ def main(argv: list[str] | None = None) -> None:
             continue
         results[name] = measure_codec(codec, data, probe, warm_start=warm, keep_recent=args.keep_recent)
         print(f"  {name}: done", file=sys.stderr)
-    print(
-        f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads; command: {shlex.join(['python', *sys.argv])}\n"
-    )
+    machine = f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    command = shlex.join(["python", *sys.argv])
+    print(f"torch {torch.__version__}, diffusers-qvg {dq.__version__}, {machine}; command: {command}\n")
     print(markdown_table(results))
+    if args.json:
+        meta = dict(
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), command=command,
+            machine=machine, torch=torch.__version__, diffusers_qvg=dq.__version__, clips=list(spec.clips),
+            tokens_per_chunk=spec.tokens_per_chunk, chunks=chunks, heads=spec.heads, head_dim=spec.head_dim,
+            queries=queries, sharpness=args.sharpness, keep_recent=args.keep_recent,
+        )
+        rows = [dict(codec=name, **dataclasses.asdict(r)) for name, r in results.items()]
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -71,6 +73,33 @@ def load_kv(spec, chunks: int, device: torch.device) -> tuple[dict[str, torch.Te
     return {k: v.to(device) for k, v in tensors.items()}, source
 
 
+class Table:
+    """The benchmark's rows. A row that raises is recorded with its error (``ms`` None) and the next rows run,
+    so one failing comparison (a third-party kernel, say) cannot cost the rows after it."""
+
+    def __init__(self, timer: Callable[[Callable[[], object]], float]) -> None:
+        self.timer = timer
+        self.rows: list[dict] = []
+
+    def add(self, section: str, name: str, ms: float | None, *, nbytes: int | None = None,
+            target: float | None = None, note: str = "", error: str | None = None) -> None:
+        self.rows.append(dict(section=section, name=name, ms=ms, bytes=nbytes, target_ms=target, note=note, error=error))
+        print(f"  {section} | {name}: {'-' if ms is None else f'{ms:.4f} ms'} {error or note}", file=sys.stderr)
+
+    @contextmanager
+    def guard(self, section: str, name: str) -> Iterator[None]:
+        """Run the block; if it raises, the failure becomes the row ``name``."""
+        try:
+            yield
+        except Exception as error:  # a benchmark row must not end the run: its failure is its figure
+            self.add(section, name, None, error=f"{type(error).__name__}: {error}".strip())
+
+    def time(self, section: str, name: str, fn: Callable[[], object], **fields) -> None:
+        """The row ``name``: the median time of ``fn`` (or its failure)."""
+        with self.guard(section, name):
+            self.add(section, name, self.timer(fn), **fields)
+
+
 def official_quantize(x: torch.Tensor) -> tuple[Callable[[], object] | None, str]:
     """quant-videogen's K+V compression of ``x`` (used as both K and V), or why it cannot run."""
     try:
@@ -104,7 +133,8 @@ def plain_unpack(device: torch.device) -> tuple[Callable, str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     allow_abbrev=False)
     parser.add_argument("--small", action="store_true", help="tiny sizes (on CPU: Triton's interpreter), seconds")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per row (default 50 on CUDA, 2 small)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 10 on CUDA, 1 small)")
@@ -136,47 +166,42 @@ def main(argv: list[str] | None = None) -> None:
     configs = {"qvg-int2": dq.QVGConfig(), "official layout": dq.QVGConfig.official()}
     if args.small:  # one configuration, few centroids: the code paths, in seconds
         configs = {"qvg-int2": dq.QVGConfig(num_centroids=16, kmeans_iters=1, kmeans_init="strided")}
-    rows: list[dict] = []
-
-    def row(section, name, ms, *, nbytes=None, target=None, note=""):
-        rows.append(dict(section=section, name=name, ms=ms, bytes=nbytes, target_ms=target, note=note))
-        print(f"  {section} | {name}: {'-' if ms is None else f'{ms:.4f} ms'} {note}", file=sys.stderr)
-
-    def timed(fn):
-        return median_ms(fn, device, repeats, warmup)
+    table = Table(lambda fn: median_ms(fn, device, repeats, warmup))
+    rows = table.rows
 
     # ---- Quantize one chunk tensor (K before RoPE, chunk 0) ----
     x = data["key"][:, :n].contiguous()
     for name, config in configs.items():
-        storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
-        with backend("triton"):
+        with table.guard("quantize", f"{name}: setup"), backend("triton"):
             ops = encoder_ops(config, x)
-
             no_kmeans = config.with_(kmeans_iters=0, kmeans_init="strided")
             for label, c, target in ((f"init {config.kmeans_init} + {config.kmeans_iters} Lloyd iters", config, None),
                                      ("no k-means: strided init, 0 iters", no_kmeans, QUANTIZE_TARGET_MS)):
                 own = c.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
-                row("quantize", f"{name}: whole encoder, {label}",
-                    timed(lambda: c.quantize_into(own, x, token_start=0, slot=0)), target=target,
-                    note="codec verb: input validation included")
+                table.time("quantize", f"{name}: whole encoder, {label}",
+                           lambda: c.quantize_into(own, x, token_start=0, slot=0), target=target,
+                           note="codec verb: input validation included")
+            storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
             config.quantize_into(storage, x, token_start=0, slot=0)  # ids and centroids for the residual kernels
-            row("quantize", f"{name}: residual codes, 2 launches (ours)",
-                timed(lambda: ops.write_residual(storage, x, token_start=0, slot=0)))
+            table.time("quantize", f"{name}: residual codes, 2 launches (ours)",
+                       lambda: ops.write_residual(storage, x, token_start=0, slot=0))
             points = x.float().permute(0, 2, 1, 3).reshape(H, n, D)
-            table = kmeans_init(points, config.centroids, "strided", torch.Generator(device=device))
-            row("quantize", f"{name}: nearest-centroid assignment (ours)", timed(lambda: ops.assign(points, table)))
-            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours)",
-                timed(lambda: ops.lloyd(points, table, config.kmeans_iters)))
-        if device.type == "cuda":
-            from flash_kmeans import batch_kmeans_Euclid
+            init = kmeans_init(points, config.centroids, "strided", torch.Generator(device=device))
+            table.time("quantize", f"{name}: nearest-centroid assignment (ours)", lambda: ops.assign(points, init))
+            table.time("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours)",
+                       lambda: ops.lloyd(points, init, config.kmeans_iters))
+            flash = f"{name}: {config.kmeans_iters} Lloyd iters, flash-kmeans batch_kmeans_Euclid"
+            with table.guard("k-means", flash):  # CUDA only (on a CPU its failure is the row)
+                from flash_kmeans import batch_kmeans_Euclid
 
-            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, flash-kmeans batch_kmeans_Euclid",
-                timed(lambda: batch_kmeans_Euclid(points, config.centroids, max_iters=config.kmeans_iters, tol=0.0,
-                                                  init_centroids=table.clone())),
-                note="fp32 atomics (non-deterministic), host sync per iteration")
+                table.time("k-means", flash, lambda: batch_kmeans_Euclid(
+                    points, config.centroids, max_iters=config.kmeans_iters, tol=0.0, init_centroids=init.clone()),
+                    note="fp32 atomics (non-deterministic), host sync per iteration")
     if device.type == "cuda":
-        run, note = official_quantize(x)
-        row("quantize", "official quant-videogen: whole quantize, per tensor", None if run is None else timed(run) / 2, note=note)
+        official = "official quant-videogen: whole quantize, per tensor"
+        with table.guard("quantize", official):
+            run, note = official_quantize(x)
+            table.add("quantize", official, None if run is None else table.timer(run) / 2, note=note)
 
     # ---- Dequantize the window: `chunks` segments of `n` tokens, K (rotated by RoPE) and V ----
     W = chunks * n
@@ -184,53 +209,59 @@ def main(argv: list[str] | None = None) -> None:
     rotary = (data["cos"], data["sin"])
     out = {role: torch.empty(1, W, H, D, dtype=torch.bfloat16, device=device) for role in ("key", "value")}
     out_bytes = 2 * out["key"].numel() * out["key"].element_size()
+    decoder_bytes = []  # per configuration: packed K/V read plus the dense window written
     for name, config in configs.items():
-        stores = {}
-        for role in ("key", "value"):
-            s = config.allocate(batch=1, capacity_tokens=W, heads=H, head_dim=D, num_slots=chunks, dtype=torch.bfloat16, device=device)
-            for i in range(chunks):
-                config.quantize_into(s, data[role][:, i * n : (i + 1) * n], token_start=i * n, slot=i)
-            stores[role] = s
-        packed_bytes = sum(s.nbytes for s in stores.values())
-        note = f"{packed_bytes / 2 / (W * H * D) * 8:.2f} bits/element incl. window-sized storage"
-        for rope in (True, False):
-            def kernels():
-                triton_dequantize(stores["key"], segments, out["key"], rotary if rope else None)
-                triton_dequantize(stores["value"], segments, out["value"])
+        with table.guard("dequantize", f"{name}: setup"):
+            stores = {}
+            for role in ("key", "value"):
+                s = config.allocate(batch=1, capacity_tokens=W, heads=H, head_dim=D, num_slots=chunks, dtype=torch.bfloat16, device=device)
+                for i in range(chunks):
+                    config.quantize_into(s, data[role][:, i * n : (i + 1) * n], token_start=i * n, slot=i)
+                stores[role] = s
+            packed_bytes = sum(s.nbytes for s in stores.values())
+            decoder_bytes.append(packed_bytes + out_bytes)
+            note = f"{packed_bytes / 2 / (W * H * D) * 8:.2f} bits/element incl. window-sized storage"
+            for rope in (True, False):
+                def kernels():
+                    triton_dequantize(stores["key"], segments, out["key"], rotary if rope else None)
+                    triton_dequantize(stores["value"], segments, out["value"])
 
-            row("dequantize", f"{name}: ours, 1 launch per tensor, K{' +RoPE' if rope else ''} and V", timed(kernels),
-                nbytes=packed_bytes + out_bytes, target=DEQUANTIZE_TARGET_MS, note=note)
-        for mode in ("triton", "torch"):
-            def verb():
-                config.dequantize_into(stores["key"], segments, out["key"], rotary)
-                config.dequantize_into(stores["value"], segments, out["value"])
+                table.time("dequantize", f"{name}: ours, 1 launch per tensor, K{' +RoPE' if rope else ''} and V", kernels,
+                           nbytes=packed_bytes + out_bytes, target=DEQUANTIZE_TARGET_MS, note=note)
+            for mode in ("triton", "torch"):
+                def verb():
+                    config.dequantize_into(stores["key"], segments, out["key"], rotary)
+                    config.dequantize_into(stores["value"], segments, out["value"])
 
-            with backend(mode):
                 label = "ours via the codec verb (segment-table check included)" if mode == "triton" else "torch reference decoder"
-                row("dequantize", f"{name}: {label}, K +RoPE and V", timed(verb), nbytes=packed_bytes + out_bytes, note=note)
+                with backend(mode):
+                    table.time("dequantize", f"{name}: {label}, K +RoPE and V", verb, nbytes=packed_bytes + out_bytes,
+                               note=note)
 
-    unpack, how = plain_unpack(device)
-    g = torch.Generator(device=device).manual_seed(0)
-    plain = [
-        (torch.randint(0, 256, (1, W, H, D // 4), dtype=torch.uint8, device=device, generator=g),
-         torch.rand(1, W, H, D // 64, device=device, generator=g).bfloat16())
-        for _ in range(2)
-    ]
-    plain_bytes = sum(c.numel() + s.numel() * 2 for c, s in plain) + out_bytes
-    row("dequantize", f"plain 2-bit unpack x per-group scales, K and V ({how})",
-        timed(lambda: [unpack(c, s) for c, s in plain]), nbytes=plain_bytes, note="no centroids, no RoPE")
+    plain_row = "plain 2-bit unpack x per-group scales, K and V"
+    with table.guard("dequantize", plain_row):
+        unpack, how = plain_unpack(device)
+        g = torch.Generator(device=device).manual_seed(0)
+        plain = [
+            (torch.randint(0, 256, (1, W, H, D // 4), dtype=torch.uint8, device=device, generator=g),
+             torch.rand(1, W, H, D // 64, device=device, generator=g).bfloat16())
+            for _ in range(2)
+        ]
+        plain_bytes = sum(c.numel() + s.numel() * 2 for c, s in plain) + out_bytes
+        table.time("dequantize", f"{plain_row} ({how})", lambda: [unpack(c, s) for c, s in plain], nbytes=plain_bytes,
+                   note="no centroids, no RoPE")
 
     # ---- Copy roofline: one device-to-device copy moving as many bytes as our decoder reads plus writes ----
-    ours = next(r for r in rows if r["section"] == "dequantize" and r["target_ms"])  # ours, K +RoPE and V
-    src = torch.empty(ours["bytes"] // 2, dtype=torch.uint8, device=device)
+    src = torch.empty((decoder_bytes or [out_bytes])[0] // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = timed(lambda: dst.copy_(src))
-    row("dequantize", "copy roofline: device copy of the same bytes", copy_ms, nbytes=2 * src.numel())
-    bandwidth = 2 * src.numel() / (copy_ms * 1e-3)
+    table.time("dequantize", "copy roofline: device copy of the same bytes", lambda: dst.copy_(src), nbytes=2 * src.numel())
+    copy_ms = rows[-1]["ms"]
+    bandwidth = 2 * src.numel() / (copy_ms * 1e-3) if copy_ms else None
     for r in rows:
         if r["bytes"] and r["ms"]:
             r["gb_per_s"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
-            r["fraction_of_copy"] = r["gb_per_s"] * 1e9 / bandwidth
+            if bandwidth:
+                r["fraction_of_copy"] = r["gb_per_s"] * 1e9 / bandwidth
 
     meta = dict(
         device=torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU ({platform.processor() or platform.machine()}), Triton interpreter",
@@ -243,11 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     print("| section | row | ms | target ms | GB/s | of copy bw | note |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        ms = "not run" if r["ms"] is None else f"{r['ms']:.4f}"
+        ms = ("failed" if r["error"] else "not run") if r["ms"] is None else f"{r['ms']:.4f}"
         target = "" if r["target_ms"] is None else f"{r['target_ms']:.2f}" + (" (full size)" if args.small else "")
         gbs = f"{r['gb_per_s']:.0f}" if "gb_per_s" in r else ""
         frac = f"{100 * r['fraction_of_copy']:.0f}%" if "fraction_of_copy" in r else ""
-        print(f"| {r['section']} | {r['name']} | {ms} | {target} | {gbs} | {frac} | {r['note']} |")
+        note = r["note"] if r["error"] is None else f"ERROR {r['error']}"
+        print(f"| {r['section']} | {r['name']} | {ms} | {target} | {gbs} | {frac} | {note} |")
     report = json.dumps(dict(meta=meta, rows=rows), indent=1)
     print("\n" + report)
     if args.json:

@@ -1,5 +1,5 @@
-"""scripts/bench_e2e.py runs at small size on the CPU and reports the BF16 anchor and QVG (the pipeline's
-keep_recent_chunks 0, and 1) in one table."""
+"""scripts/bench_e2e.py runs at small size on the CPU and reports, in one table, the plain BF16 anchor
+(rotated keys), the BF16 cache with keys before RoPE, and QVG (the pipeline's keep_recent_chunks 0, and 1)."""
 
 import importlib.util
 import json
@@ -8,18 +8,32 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_e2e.py"
 
 
-def test_bench_e2e_small(tmp_path, capsys):
+def load():
     spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    rows = bench.main(["--small", "--json", str(tmp_path / "rows.json")])
-    settings = [(r["storage"], r["keep_recent_chunks"], r["latent_frames"], r["chunks"]) for r in rows]
-    assert settings == [("bf16", 0, 9, 3), ("qvg-int2", 0, 9, 3), ("qvg-int2", 1, 9, 3)]
-    bf16, qvg_packed, qvg = rows
-    assert qvg["bf16_bytes"] == qvg_packed["bf16_bytes"] == bf16["bf16_bytes"] > 0  # the same tokens are cached
+    return bench
+
+
+def test_bench_e2e_small(tmp_path, capsys):
+    # "int3" is no storage: its rows record the failure, and the rows after them still run.
+    rows = load().main(["--small", "--storages", "bf16", "int3", "qvg-int2", "--json", str(tmp_path / "rows.json")])
+    failed = [r for r in rows if r["error"] is not None]
+    assert [(r["storage"], r["keep_recent_chunks"]) for r in failed] == [("int3", 0), ("int3", 1)]
+    assert failed[0]["error"].startswith("ValueError: unknown KV cache storage 'int3'")
+    rows = [r for r in rows if r["error"] is None]
+    settings = [(r["storage"], r["keys_before_rope"], r["keep_recent_chunks"], r["latent_frames"], r["chunks"])
+                for r in rows]
+    assert settings == [("bf16", False, 0, 9, 3), ("bf16", True, 0, 9, 3), ("qvg-int2", True, 0, 9, 3),
+                        ("qvg-int2", True, 1, 9, 3)]
+    plain, bf16, qvg_packed, qvg = rows
+    assert qvg["bf16_bytes"] == qvg_packed["bf16_bytes"] == bf16["bf16_bytes"] == plain["bf16_bytes"] > 0
+    assert plain["kv_bytes"] == bf16["kv_bytes"]  # the same storage, keys rotated before or after it
     assert 0 < qvg_packed["kv_bytes"] < qvg["kv_bytes"] < bf16["kv_bytes"]
     assert all(r["seconds_per_chunk"] > 0 and r["peak_bytes"] is None for r in rows)
-    assert json.loads((tmp_path / "rows.json").read_text()) == rows
+    assert len(json.loads((tmp_path / "rows.json").read_text())) == 6
     table = capsys.readouterr().out
-    assert "| 9 | bf16 | 0 |" in table and "| 9 | qvg-int2 | 1 |" in table and "| 9 | qvg-int2 | 0 |" in table
-    assert "+0.0%" in table and "| anchor |" in table and ">= 6.5x" in table
+    assert "| 9 | bf16 | rotated | 0 |" in table and "| 9 | bf16 | before RoPE | 0 |" in table
+    assert "| 9 | qvg-int2 | before RoPE | 1 |" in table and "| 9 | qvg-int2 | before RoPE | 0 |" in table
+    assert "| 9 | int3 | before RoPE | 0 | failed: ValueError: unknown KV cache storage 'int3'" in table
+    assert "| 1.000x | +0.0% |" in table and "| anchor |" in table and ">= 6.5x" in table

@@ -1,6 +1,9 @@
-"""qvg-generate: the embedded random model writes playable MP4s; prompts files split across processes."""
+"""qvg-generate: the embedded random model writes playable MP4s; the prompt as an argument or a flag; prompts
+files split across processes; every parser refuses abbreviations."""
 
+import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +30,7 @@ def test_embedded_default_writes_a_playable_mp4(tmp_path, capsys):
     assert frames.std() > 0  # real pixels, not an empty stream
     printed = capsys.readouterr().out
     assert "RANDOM weights" in printed and "--model self_forcing_dmd.pt --base" in printed
+    assert "[rank" not in printed and f"wrote {out}" in printed  # one process: no rank tags
     row = next(line for line in printed.splitlines() if line.startswith("fox.mp4"))
     chunks, kv, bf16, ratio = row.split()[1:5]
     assert int(chunks) == 3 and float(ratio) == pytest.approx(float(bf16) / float(kv), rel=2e-2)
@@ -37,6 +41,65 @@ def test_keep_recent_chunks_reaches_the_cache(tmp_path):
         main(["a fox", "--num-frames", "9", "--height", "32", "--width", "32", "--keep-recent-chunks", "-1",
               "--output", str(tmp_path / "fox.mp4")])
     assert not (tmp_path / "fox.mp4").exists()
+
+
+TINY = ["--num-frames", "9", "--height", "32", "--width", "32", "--kv-cache", "bf16"]
+
+
+def test_prompt_flag_is_the_prompt_not_an_abbreviation(tmp_path, capsys):
+    flag, positional = tmp_path / "flag.mp4", tmp_path / "positional.mp4"
+    main(["--prompt", "a fox", *TINY, "--output", str(flag)])
+    main(["a fox", *TINY, "--output", str(positional)])
+    assert np.array_equal(read_video(flag), read_video(positional))  # the same prompt, the same seed
+    with pytest.raises(SystemExit, match=r"given twice \('a fox' and --prompt 'a cat'\); give it once"):
+        main(["a fox", "--prompt", "a cat", *TINY, "--output", str(tmp_path / "twice.mp4")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:  # `--prompts` is not taken for `--prompts-file`
+        main(["--prompts", "prompts.txt", *TINY])
+    assert refused.value.code == 2 and "unrecognized arguments: --prompts" in capsys.readouterr().err
+    assert not (tmp_path / "twice.mp4").exists()
+
+
+def test_help_ends_with_three_examples(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    examples = capsys.readouterr().out.rstrip().split("\nexamples:\n")[1]
+    commands = [line.strip() for line in examples.splitlines() if re.match(r"  [^ #]", line)]  # not comments, not continuations
+    assert commands == [
+        'qvg-generate "a fox running through snow" --output fox.mp4',
+        'qvg-generate --prompt "a corgi surfing a wave at sunset" --model checkpoints/self_forcing_dmd.pt \\',
+        "accelerate launch --num_processes 8 -m diffusers_qvg.cli --prompts-file prompts.txt \\",
+    ]
+    assert "--base Wan2.1-T2V-1.3B-Diffusers" in examples.split("accelerate launch")[1]
+
+
+def test_prompt_flag_in_a_subprocess(tmp_path):
+    """The command of a new user, as a separate process (``python -m diffusers_qvg.cli``, the module form
+    ``accelerate launch -m`` runs)."""
+    out = tmp_path / "fox.mp4"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run([sys.executable, "-m", "diffusers_qvg.cli", "--prompt", "a fox", *TINY, "--output", str(out)],
+                            env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_video(out).shape == (9, 32, 32, 3)
+    assert f"wrote {out}" in result.stdout and "[rank" not in result.stdout
+
+
+def argument_parsers(path: Path) -> list[ast.Call]:
+    calls = [node for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)]
+    return [c for c in calls if getattr(c.func, "attr", getattr(c.func, "id", None)) == "ArgumentParser"]
+
+
+def test_every_parser_refuses_abbreviations():
+    files = [*(REPO / "diffusers_qvg").rglob("*.py"), *(REPO / "pipelines").rglob("*.py"), *(REPO / "scripts").glob("*.py")]
+    parsers = {f.relative_to(REPO).as_posix(): argument_parsers(f) for f in files}
+    parsers = {name: calls for name, calls in parsers.items() if calls}
+    assert "diffusers_qvg/cli.py" in parsers and "scripts/bench_e2e.py" in parsers
+    for name, calls in parsers.items():
+        for call in calls:
+            options = {k.arg: k.value for k in call.keywords}
+            assert isinstance(options.get("allow_abbrev"), ast.Constant) and options["allow_abbrev"].value is False, name
 
 
 def test_checkpoint_model_needs_a_base(tmp_path):

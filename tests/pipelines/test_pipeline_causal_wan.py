@@ -152,6 +152,36 @@ def test_callback_sees_every_step_and_can_edit_latents(pipe):
     assert torch.count_nonzero(latents) == 0
 
 
+def test_plain_bf16_cache_stores_rotated_keys_and_gives_the_same_video(pipe):
+    """``keys_before_rope=False`` (Self-Forcing's layout, nothing rotated on read: bench_e2e's plain anchor)
+    changes where keys are rotated, not the video."""
+    def video(**kwargs):
+        with pipe.stream(**SMALL, num_frames=33, kv_cache="bf16", output_type="latent", generator=seeded(2),
+                         **kwargs) as state:
+            assert state.cache.config.keys_before_rope == kwargs.get("keys_before_rope", True)
+            return torch.cat(list(state), dim=2)
+
+    assert torch.equal(video(), video(keys_before_rope=False))
+
+
+def test_short_prompt_embeds_are_zero_padded_as_upstream(pipe):
+    """Self-Forcing pads the text with zeros to 512 tokens inside its model: the same embeddings, padded by
+    the caller or not, give the same video (both branches of classifier-free guidance, over two chunks)."""
+    g = seeded(0)
+    text, negative = torch.randn(1, 7, 32, generator=g), torch.randn(1, 3, 32, generator=g)
+
+    def video(prompt_embeds, negative_prompt_embeds, **kwargs):
+        return pipe(prompt_embeds=prompt_embeds, negative_prompt_embeds=negative_prompt_embeds, height=32, width=32,
+                    num_frames=21, kv_cache="bf16", guidance_scale=3.0, output_type="latent", generator=seeded(1),
+                    **kwargs).frames
+
+    def padded(x):
+        return torch.cat([x, torch.zeros(1, 512 - x.shape[1], 32)], dim=1)
+
+    assert torch.equal(video(text, negative), video(padded(text), padded(negative)))
+    assert not torch.equal(video(text, negative), video(text, negative, max_sequence_length=256))  # zeros count
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -166,6 +196,12 @@ def test_callback_sees_every_step_and_can_edit_latents(pipe):
         (dict(keep_recent_chunks=-1), r"keep_recent_chunks=-1 is invalid"),
         (dict(denoising_timesteps=(1000, 0)), r"denoising_timesteps=\(1000, 0\) must be"),
         (dict(prompt=None), r"exactly one of `prompt` and `prompt_embeds`"),
+        (dict(prompt=None, prompt_embeds=torch.zeros(1, 513, 32)),
+         r"`prompt_embeds` has 513 tokens, more than max_sequence_length=512"),
+        (dict(negative_prompt_embeds=torch.zeros(1, 20, 32), max_sequence_length=16, guidance_scale=2.0),
+         r"`negative_prompt_embeds` has 20 tokens, more than max_sequence_length=16"),
+        (dict(prompt=None, prompt_embeds=torch.zeros(1, 8, 31)),
+         r"`prompt_embeds` has shape \(1, 8, 31\); it must be \[batch, tokens, 32\]"),
     ],
 )
 def test_bad_inputs_raise_before_any_state_changes(pipe, kwargs, match):
