@@ -12,9 +12,12 @@ other row is reported as its seconds per chunk over the anchor's: the BF16 cache
 (what the cache rotates on every read), and the compressed storages with the pipeline's default
 ``keep_recent_chunks`` (0: every chunk packed) and with 1 (one finished chunk stays BF16); the table says
 which rows meet the KV-ratio target. A setting that fails is recorded with its error and the run goes on.
-``--small`` runs the tiny model on the CPU (for tests, no figures).
+``--compile [MODE]`` then compiles the transformer (``pipe.compile_transformer``, fullgraph) and runs every
+setting again after a compiling warm-up: compiled rows are compared with the compiled plain BF16 anchor, the
+eager rows stay beside them for reference. ``--small`` runs the tiny model on the CPU (for tests, no figures).
 
     python scripts/bench_e2e.py                      # GPU, bf16 weights
+    python scripts/bench_e2e.py --compile            # and compiled rows (torch.compile, inductor)
     python scripts/bench_e2e.py --small             # CPU smoke run
 """
 
@@ -90,6 +93,7 @@ def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, te
         storage=storage,
         keys_before_rope=keys_before_rope,
         keep_recent_chunks=keep,
+        compiled=pipe._keep_cache,
         latent_frames=latent_frames,
         chunks=len(seconds),
         seconds_per_chunk=statistics.median(seconds),
@@ -107,7 +111,7 @@ def guarded_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args
     except Exception as error:
         storage, keys_before_rope, keep = setting
         return dict(storage=storage, keys_before_rope=keys_before_rope, keep_recent_chunks=keep,
-                    latent_frames=latent_frames, error=f"{type(error).__name__}: {error}")
+                    compiled=pipe._keep_cache, latent_frames=latent_frames, error=f"{type(error).__name__}: {error}")
 
 
 def is_anchor(row: dict) -> bool:
@@ -115,19 +119,20 @@ def is_anchor(row: dict) -> bool:
 
 
 def compare(rows: list[dict]) -> list[str]:
-    """Markdown rows against the plain BF16 run of the same length (the anchor measured in this run)."""
-    anchors = {r["latent_frames"]: r for r in rows if is_anchor(r)}
+    """Markdown rows against the plain BF16 run of the same length and compile state (measured in this run)."""
+    anchors = {(r["latent_frames"], r["compiled"]): r for r in rows if is_anchor(r)}
     mib = 2**20
-    lines = [f"| latent frames | storage | keys stored | recent chunks | s/chunk | vs plain BF16 | overhead | KV MiB | "
-             f"KV ratio vs BF16 | >= {KV_RATIO_TARGET}x | peak MiB | peak drop / KV saved |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| latent frames | compiled | storage | keys stored | recent chunks | s/chunk | vs plain BF16 | overhead | "
+             f"KV MiB | KV ratio vs BF16 | >= {KV_RATIO_TARGET}x | peak MiB | peak drop / KV saved |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         keys = "before RoPE" if r["keys_before_rope"] else "rotated"
-        head = f"| {r['latent_frames']} | {r['storage']} | {keys} | {r['keep_recent_chunks']} |"
+        compiled = "yes" if r["compiled"] else "no"
+        head = f"| {r['latent_frames']} | {compiled} | {r['storage']} | {keys} | {r['keep_recent_chunks']} |"
         if r["error"] is not None:
             lines.append(f"{head} failed: {r['error']} |" + " |" * 7)
             continue
-        anchor = anchors.get(r["latent_frames"])
+        anchor = anchors.get((r["latent_frames"], r["compiled"]))
         ratio_time = r["seconds_per_chunk"] / anchor["seconds_per_chunk"] if anchor else None
         vs, overhead = (f"{ratio_time:.3f}x", f"{ratio_time - 1:+.1%}") if anchor else ("n/a", "n/a")
         saved = anchor["kv_bytes"] - r["kv_bytes"] if anchor else 0
@@ -166,6 +171,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help=f"settings for the compressed storages (default: the pipeline's {PIPELINE_KEEP}, and 1); "
                         "the bf16 rows run with the pipeline's")
     parser.add_argument("--window-frames", type=int, default=None, help="sliding window (default: whole video)")
+    parser.add_argument("--compile", nargs="?", const="default", default=None,
+                        help="then compile the transformer with this torch.compile mode and run every setting again")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     args = parser.parse_args(argv)
     args.frames = args.frames or ([9] if args.small else [21, 42])
@@ -181,6 +188,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for setting in settings:
             guarded_video(pipe, setting, 3 * 3, args, text, device)
     rows = [guarded_video(pipe, setting, f, args, text, device) for f in args.frames for setting in settings]
+    if args.compile is not None:
+        # Each setting compiles its own graphs (its storage and key layout are traced constants): up to four
+        # per setting, more than Dynamo's default limit of eight for the whole run.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8 * len(settings))
+        compile_kwargs = {} if args.compile == "default" else {"mode": args.compile}
+        if args.small:
+            compile_kwargs["backend"] = "aot_eager"  # the CPU's inductor takes minutes: a smoke run of the path
+        pipe.compile_transformer(**compile_kwargs)
+        for setting in settings:  # warm-up that compiles: the window of the longest video, filling and full
+            guarded_video(pipe, setting, max(args.frames), args, text, device)
+        rows += [guarded_video(pipe, setting, f, args, text, device) for f in args.frames for setting in settings]
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"bench_e2e on {name}, {'tiny' if args.small else 'Wan2.1-1.3B'} geometry, {args.height}x{args.width}, "

@@ -33,7 +33,25 @@ def test_bench_e2e_small(tmp_path, capsys):
     assert all(r["seconds_per_chunk"] > 0 and r["peak_bytes"] is None for r in rows)
     assert len(json.loads((tmp_path / "rows.json").read_text())) == 6
     table = capsys.readouterr().out
-    assert "| 9 | bf16 | rotated | 0 |" in table and "| 9 | bf16 | before RoPE | 0 |" in table
-    assert "| 9 | qvg-int2 | before RoPE | 1 |" in table and "| 9 | qvg-int2 | before RoPE | 0 |" in table
-    assert "| 9 | int3 | before RoPE | 0 | failed: ValueError: unknown KV cache storage 'int3'" in table
+    assert "| 9 | no | bf16 | rotated | 0 |" in table and "| 9 | no | bf16 | before RoPE | 0 |" in table
+    assert "| 9 | no | qvg-int2 | before RoPE | 1 |" in table and "| 9 | no | qvg-int2 | before RoPE | 0 |" in table
+    assert "| 9 | no | int3 | before RoPE | 0 | failed: ValueError: unknown KV cache storage 'int3'" in table
     assert "| 1.000x | +0.0% |" in table and "| anchor |" in table and ">= 6.5x" in table
+
+
+def test_bench_e2e_small_compiled_rows(capsys):
+    """``--compile``: every setting again on the compiled transformer, against the compiled plain anchor."""
+    import torch
+
+    torch._dynamo.reset()
+    rows = load().main(["--small", "--storages", "bf16", "qvg-int2", "--keep-recent-chunks", "0", "--compile"])
+    torch._dynamo.reset()
+    assert all(r["error"] is None for r in rows), [r["error"] for r in rows]
+    assert [(r["storage"], r["keys_before_rope"], r["compiled"]) for r in rows] == [
+        ("bf16", False, False), ("bf16", True, False), ("qvg-int2", True, False),
+        ("bf16", False, True), ("bf16", True, True), ("qvg-int2", True, True),
+    ]
+    eager, compiled = rows[:3], rows[3:]
+    assert [r["kv_bytes"] for r in eager] == [r["kv_bytes"] for r in compiled]  # the same caches
+    table = capsys.readouterr().out
+    assert "| 9 | yes | bf16 | rotated | 0 |" in table and table.count("| 1.000x | +0.0% |") == 2
