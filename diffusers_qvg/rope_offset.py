@@ -20,19 +20,20 @@ ROPE_OFFSET_HOOK = "qvg_rope_offset"
 
 
 def wan_rope_for_frames(
-    rope: torch.nn.Module, frame_ids: torch.Tensor, height: int, width: int
+    rope: torch.nn.Module, frame_ids: list[int], height: int, width: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each [1, len(frame_ids) * height * width, 1, head_dim], for patch tokens in frame-major order.
 
-    ``frame_ids`` are global (post-patch) frame indices; ``height``/``width`` are post-patch sizes.
+    ``frame_ids`` are global (post-patch) frame indices, on the host; ``height``/``width`` are post-patch sizes.
     """
-    if int(frame_ids.max()) >= rope.max_seq_len:
+    if max(frame_ids) >= rope.max_seq_len:
         raise ValueError(
-            f"frame {int(frame_ids.max())} is beyond the transformer's rope_max_seq_len={rope.max_seq_len}; "
+            f"frame {max(frame_ids)} is beyond the transformer's rope_max_seq_len={rope.max_seq_len}; "
             "use a sliding window that re-bases positions or a model configured with a larger rope_max_seq_len"
         )
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
     device = rope.freqs_cos.device
+    frame_ids = torch.tensor(frame_ids, dtype=torch.long)
     if device.type == "cuda":  # from pinned memory without blocking: planning a chunk never syncs
         frame_ids = frame_ids.pin_memory().to(device, non_blocking=True)
     else:
@@ -42,7 +43,7 @@ def wan_rope_for_frames(
         f_t, f_h, f_w = freqs.split(split, dim=1)
         n = len(frame_ids)
         parts = (
-            f_t[frame_ids].view(n, 1, 1, -1).expand(n, height, width, -1),
+            f_t.index_select(0, frame_ids).view(n, 1, 1, -1).expand(n, height, width, -1),
             f_h[:height].view(1, height, 1, -1).expand(n, height, width, -1),
             f_w[:width].view(1, 1, width, -1).expand(n, height, width, -1),
         )

@@ -35,9 +35,9 @@ class ReadPlan:
     current_rotary: tuple[torch.Tensor, torch.Tensor]
 
 
-def window_frame_ids(layout: ChunkLayout) -> torch.Tensor:
+def window_frame_ids(layout: ChunkLayout) -> list[int]:
     """Global frame index of every visible frame, in window order (oldest chunk first)."""
-    return torch.cat([torch.arange(c.start_frame, c.end_frame) for c in layout.chunks])
+    return [f for c in layout.chunks for f in range(c.start_frame, c.end_frame)]
 
 
 def build_read_plan(

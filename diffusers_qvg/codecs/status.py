@@ -96,10 +96,6 @@ class WriteStatus:
 
     def gated_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """``dst.copy_(src)`` if no write has failed, else leave ``dst`` as it is (no host read)."""
-        if self.device.type == "cpu":
-            if self.ok_on_host():
-                dst.copy_(src)
-            return
         dst.copy_(torch.where(self.ok(), src, dst))
 
     def read(self) -> tuple[str | None, int]:

@@ -1,0 +1,67 @@
+"""Host reads of device memory per chunk of the real pipeline: none in a denoising forward, one per clean pass.
+
+On the CPU a device sync cannot be seen, so every host read is counted instead (``aten._local_scalar_dense``,
+``is_nonzero``, ops with data-dependent output shapes, ``Tensor.tolist``), inside the cache's chunk blocks
+(the scheduler's own reads between them are diffusers', the same with any cache). On CUDA each of them
+would be a sync. The one read of a clean-context pass is the cache's write status, read when its block ends.
+"""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import diffusers_qvg as dq
+from diffusers_qvg.pipelines import QVGCausalWanPipeline, tiny_components
+
+READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in READS or torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting_blocks(cache: dq.QVGCache, monkeypatch):
+    """Host reads of each chunk block, as (final, reads)."""
+    blocks, chunk, tolist = [], cache.chunk, torch.Tensor.tolist
+
+    @contextmanager
+    def counted(start_frame, final=False, **kwargs):
+        mode = HostReads()
+        with mode:
+            with chunk(start_frame, final, **kwargs) as c:
+                yield c
+        blocks.append((final, mode.count))
+
+    def counted_tolist(self):  # tolist reads without dispatching an op
+        for mode in torch.utils._python_dispatch._get_current_dispatch_mode_stack():
+            if isinstance(mode, HostReads):
+                mode.count += 1
+        return tolist(self)
+
+    monkeypatch.setattr(cache, "chunk", counted)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
+    yield blocks
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kv_cache", ["bf16"])
+def test_denoising_forwards_read_nothing_and_a_clean_pass_reads_once(kv_cache, monkeypatch):
+    pipe = QVGCausalWanPipeline(**tiny_components(seed=0))
+    pipe.set_progress_bar_config(disable=True)
+    state = pipe.stream(prompt="a fox", height=32, width=32, num_frames=33, kv_cache=kv_cache, window_frames=6,
+                        output_type="latent")
+    with state, counting_blocks(state.cache, monkeypatch) as blocks:
+        list(state)
+    assert [final for final, _ in blocks] == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 4 + [True]
+    assert [reads for final, reads in blocks if not final] == [0] * 12
+    assert [reads for final, reads in blocks if final] == [1] * 3
