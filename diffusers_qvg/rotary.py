@@ -18,12 +18,13 @@ def apply_wan_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     """Rotate ``x`` [B, S, H, D] by Wan's interleaved-pair RoPE; ``cos``/``sin`` broadcast as [1, S, 1, D].
 
     The arithmetic is diffusers' own (``x1*cos - x2*sin``, ``x1*sin + x2*cos`` on channel pairs), done in
-    the promoted dtype of ``x`` and ``cos``; the result has ``x``'s dtype.
+    the promoted dtype of ``x`` and ``cos`` and rounded once, as it is stored into a tensor of ``x``'s dtype
+    (as diffusers stores it: no float32 buffer and no cast pass).
     """
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     c = cos[..., 0::2]
     s = sin[..., 1::2]
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    out = torch.empty_like(x)
     out[..., 0::2] = x1 * c - x2 * s
     out[..., 1::2] = x1 * s + x2 * c
-    return out.to(x.dtype)
+    return out
