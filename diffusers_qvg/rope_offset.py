@@ -24,12 +24,13 @@ def wan_rope_for_frames(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each [1, len(frame_ids) * height * width, 1, head_dim], for patch tokens in frame-major order.
 
-    ``frame_ids`` are global (post-patch) frame indices; ``height``/``width`` are post-patch sizes.
+    ``frame_ids`` are (post-patch) frame positions, below ``rope.max_seq_len`` (a cache re-bases a window
+    that runs past it: ``diffusers_qvg.cache.plan.window_positions``); ``height``/``width`` are post-patch sizes.
     """
-    if int(frame_ids.max()) >= rope.max_seq_len:
+    if int(frame_ids.max()) >= rope.max_seq_len or int(frame_ids.min()) < 0:
         raise ValueError(
-            f"frame {int(frame_ids.max())} is beyond the transformer's rope_max_seq_len={rope.max_seq_len}; "
-            "use a sliding window that re-bases positions or a model configured with a larger rope_max_seq_len"
+            f"frame positions {int(frame_ids.min())}..{int(frame_ids.max())} are outside the transformer's RoPE "
+            f"table (rope_max_seq_len={rope.max_seq_len})"
         )
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
     device = rope.freqs_cos.device
