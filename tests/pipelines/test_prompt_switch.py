@@ -144,3 +144,4 @@ def test_frames_follow_the_switch_in_pixels_too(pipe):
         frames += list(state)
     assert np.array_equal(np.concatenate(frames, axis=1), pipe(**(STREAM | options), kv_cache="bf16",
                                                                generator=torch.Generator().manual_seed(1)).frames)
+
