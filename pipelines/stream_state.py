@@ -16,7 +16,7 @@ their clean-context passes (``QVGCache.recache``); the stream keeps those chunks
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,7 +59,7 @@ class QVGStreamState:
         callback_on_step_end: Callable | None,
         callback_on_step_end_tensor_inputs: list[str],
         text_settings: TextSettings,
-        prompt_switches: list[PromptSwitch] = (),
+        prompt_switches: Iterable[PromptSwitch] = (),
     ):
         self.pipe = pipe
         self.prompt_embeds = prompt_embeds
