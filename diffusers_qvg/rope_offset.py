@@ -24,12 +24,14 @@ def wan_rope_for_frames(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each [1, len(frame_ids) * height * width, 1, head_dim], for patch tokens in frame-major order.
 
-    ``frame_ids`` are global (post-patch) frame indices, on the host; ``height``/``width`` are post-patch sizes.
+    ``frame_ids`` are (post-patch) frame positions on the host, below ``rope.max_seq_len`` (a cache re-bases a
+    window that runs past it: ``diffusers_qvg.cache.plan.window_positions``); ``height``/``width`` are post-patch
+    sizes.
     """
-    if max(frame_ids) >= rope.max_seq_len:
+    if max(frame_ids) >= rope.max_seq_len or min(frame_ids) < 0:
         raise ValueError(
-            f"frame {max(frame_ids)} is beyond the transformer's rope_max_seq_len={rope.max_seq_len}; "
-            "use a sliding window that re-bases positions or a model configured with a larger rope_max_seq_len"
+            f"frame positions {min(frame_ids)}..{max(frame_ids)} are outside the transformer's RoPE "
+            f"table (rope_max_seq_len={rope.max_seq_len})"
         )
     split = [rope.t_dim, rope.h_dim, rope.w_dim]
     device = rope.freqs_cos.device

@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from diffusers_qvg import CacheConfig, QVGCache, disable_qvg, enable_qvg, resolve_codec
 
+from .prompt_switch import TextSettings, schedule_switches
 from .random_models import self_forcing_scheduler
 from .stream_state import QVGStreamState
 
@@ -167,13 +168,15 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         callback_on_step_end: Callable | PipelineCallback | MultiPipelineCallbacks | None = None,
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],
         max_sequence_length: int = 512,
+        prompt_switches: dict[int, str | list[str] | torch.Tensor] | None = None,
     ) -> QVGStreamState:
         r"""
         Start a video and return its :class:`QVGStreamState`; iterating it yields each chunk's frames as soon as
         they are decoded (``np``: [B, T, H, W, 3]). ``num_frames=None`` streams without end (``break`` out).
 
-        Args: as :meth:`__call__`. The state owns the KV cache: keep it to continue, ``reset()`` it, and
-        ``close()`` it (or use it in a ``with`` block) to restore the transformer's stock processors.
+        Args: as :meth:`__call__`. The state owns the KV cache: keep it to continue, switch its prompt
+        (``set_prompt``), ``reset()`` it, and ``close()`` it (or use it in a ``with`` block) to restore the
+        transformer's stock processors.
         """
         if isinstance(callback_on_step_end, (PipelineCallback, MultiPipelineCallbacks)):
             callback_on_step_end_tensor_inputs = callback_on_step_end.tensor_inputs
@@ -199,6 +202,10 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         batch = prompt_embeds.shape[0]
         latent_shape = (batch, self.transformer.config.in_channels, frames_per_chunk,
                         height // self.vae_scale_factor_spatial, width // self.vae_scale_factor_spatial)
+        text_settings = TextSettings(guidance_scale > 1.0, num_videos_per_prompt, max_sequence_length)
+        switches = schedule_switches(self, prompt_switches, frames_per_chunk=frames_per_chunk,
+                                     end_frame=None if num_chunks is None else num_chunks * frames_per_chunk,
+                                     like=prompt_embeds.to(dtype), settings=text_settings)
         if generator is None:
             generator = torch.Generator().manual_seed(0)  # deterministic by default; never the global RNG
         if self._live_stream is not None:
@@ -222,6 +229,8 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             output_type=output_type,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+            text_settings=text_settings,
+            prompt_switches=switches,
         )
         self._live_stream = state
         return state
@@ -291,6 +300,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
         callback_on_step_end: Callable | PipelineCallback | MultiPipelineCallbacks | None = None,
         callback_on_step_end_tensor_inputs: list[str] = ["latents"],
         max_sequence_length: int = 512,
+        prompt_switches: dict[int, str | list[str] | torch.Tensor] | None = None,
     ) -> WanPipelineOutput | tuple:
         r"""
         Generate a whole video chunk by chunk (the frames :meth:`stream` yields, concatenated).
@@ -325,6 +335,9 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             callback_on_step_end: called after every denoising step as ``(pipe, step, timestep, kwargs)``;
                 ``step`` counts across chunks.
             max_sequence_length: text tokens the transformer attends to (UMT5: 512, Wan's and Self-Forcing's).
+            prompt_switches: ``{latent_frame: prompt or prompt_embeds}``, each frame a chunk boundary: from that
+                chunk on the video follows the new prompt, the visible chunks after the sink stored again under
+                it first (LongLive's KV re-cache; ``QVGStreamState.set_prompt`` is the interactive form).
 
         Examples:
         """
@@ -338,7 +351,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             negative_prompt_embeds=negative_prompt_embeds, output_type=output_type,
             callback_on_step_end=callback_on_step_end,
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-            max_sequence_length=max_sequence_length,
+            max_sequence_length=max_sequence_length, prompt_switches=prompt_switches,
         )
         with state:
             video = concat_chunks(list(state), output_type)

@@ -7,17 +7,22 @@ writes the chunk's final K/V into the cache, and the chunk is decoded. The cache
 ``commit="final-pass"``: the denoising forwards (``cache.chunk(start_frame=f)``) attend to the cache and to
 their own K/V but store nothing; the clean-context pass (``cache.chunk(start_frame=f, final=True)``) stores the
 chunk straight into its final place, so no BF16 slot is held for the chunk being denoised.
+
+Interactive streams: :meth:`QVGStreamState.set_prompt` (or a ``prompt_switches`` schedule) switches the text at a
+chunk boundary, and first stores the visible chunks after the sink again under the new text by re-running
+their clean-context passes (``QVGCache.recache``); the stream keeps those chunks' clean latents for it.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from .prompt_switch import PromptSwitch, TextSettings, check_switch_frame, encode_switch
 from .streaming_decoder import StreamingWanDecoder
 
 if TYPE_CHECKING:
@@ -27,8 +32,9 @@ if TYPE_CHECKING:
 class QVGStreamState:
     """Owns the cache of one video; iterate it for each chunk's frames (see ``QVGCausalWanPipeline.stream``).
 
-    Keep it to continue the video later (``next_chunk()`` or iterate again), ``reset()`` it to start a new
-    video with the same prompt and settings (the cache and the decoder are emptied, the generator is not
+    Keep it to continue the video later (``next_chunk()`` or iterate again), switch its prompt between chunks
+    (:meth:`set_prompt`), ``reset()`` it to start a new video with the same prompt and settings (the cache and
+    the decoder are emptied, the first prompt and the ``prompt_switches`` schedule restored, the generator not
     reseeded), and ``close()`` it (or use ``with``) to give the transformer its stock processors back.
     """
 
@@ -52,10 +58,17 @@ class QVGStreamState:
         output_type: str,
         callback_on_step_end: Callable | None,
         callback_on_step_end_tensor_inputs: list[str],
+        text_settings: TextSettings,
+        prompt_switches: Iterable[PromptSwitch] = (),
     ):
         self.pipe = pipe
         self.prompt_embeds = prompt_embeds
         self.negative_prompt_embeds = negative_prompt_embeds
+        self.first_text = (prompt_embeds, negative_prompt_embeds)
+        self.text_settings = text_settings
+        self.schedule = {switch.frame: switch for switch in prompt_switches}
+        self.switches = dict(self.schedule)  # frame -> the switch the chunk starting there applies first
+        self.clean_latents: dict[int, torch.Tensor] = {}  # start frame -> x0 of each chunk a re-cache stores again
         self.latent_shape = latent_shape  # [B, C, frames_per_chunk, h, w] of one chunk
         self.num_chunks = num_chunks
         self.guidance_scale = guidance_scale
@@ -89,6 +102,11 @@ class QVGStreamState:
         return self.chunk_index * self.latent_shape[2]
 
     @property
+    def end_frame(self) -> int | None:
+        """Latent frame where the video ends (``None``: an endless stream)."""
+        return None if self.num_chunks is None else self.num_chunks * self.latent_shape[2]
+
+    @property
     def done(self) -> bool:
         return self.closed or (self.num_chunks is not None and self.chunk_index >= self.num_chunks)
 
@@ -112,11 +130,45 @@ class QVGStreamState:
             self.decoder.reset()
         self.chunk_index = 0
         self._step = 0
+        self.prompt_embeds, self.negative_prompt_embeds = self.first_text
+        self.switches = dict(self.schedule)
+        self.clean_latents = {}
+
+    @torch.no_grad()
+    def set_prompt(
+        self,
+        prompt: str | list[str] | None = None,
+        prompt_embeds: torch.Tensor | None = None,
+        negative_prompt: str | list[str] | None = None,
+        negative_prompt_embeds: torch.Tensor | None = None,
+        recache: bool = True,
+        *,
+        at_frame: int | None = None,
+    ) -> None:
+        """Switch to a new prompt from the next chunk on (or from latent frame ``at_frame``, a later chunk
+        boundary); a later call for the same frame replaces this one.
+
+        The chunk's cross-attention takes the new text. ``recache=True`` first stores the visible chunks
+        after the sink again, recomputed from their clean latents at ``context_noise`` under the new text, so
+        the new prompt takes hold without a cut (LongLive's KV re-cache; the sink keeps its K/V); ``False``
+        keeps their K/V. ``negative_prompt(_embeds)`` matter with guidance only; without them the stream's
+        negative text stays. Embeddings must have the stream's batch and text_dim. Bad arguments raise here,
+        before anything changes.
+        """
+        self._check_open()
+        frame = self.start_frame if at_frame is None else at_frame
+        check_switch_frame(frame, self.latent_shape[2], self.start_frame, self.end_frame)
+        self.switches[frame] = encode_switch(
+            self.pipe, frame, prompt=prompt, prompt_embeds=prompt_embeds, negative_prompt=negative_prompt,
+            negative_prompt_embeds=negative_prompt_embeds, recache=recache, like=self.prompt_embeds,
+            settings=self.text_settings,
+        )
 
     def close(self) -> None:
         """Remove the cache from the transformer (stock processors again); idempotent."""
         if not self.closed:
             self.closed = True
+            self.clean_latents = {}
             self._progress.close()
             self.pipe._uninstall_cache(self.cache)
             self.pipe._release_stream(self)
@@ -128,35 +180,71 @@ class QVGStreamState:
         if self.done:
             raise RuntimeError(f"the stream already produced its {self.num_chunks} chunks; reset() to start again")
         pipe, scheduler = self.pipe, self.pipe.scheduler
+        switch = self.switches.get(self.start_frame)
+        if switch is not None:
+            self._switch_prompt(switch)
         latents = randn_tensor(self.latent_shape, generator=self.generator, device=pipe._execution_device,
                                dtype=torch.float32)
         scheduler.set_timesteps(sigmas=self.sigmas, device=pipe._execution_device)
         for t in scheduler.timesteps:
-            flow = self._forward(latents, t)
+            flow = self._forward(latents, t, self.start_frame)
             latents = scheduler.step(flow, t, latents, generator=self.generator, return_dict=False)[0]
             latents = self._callback(t, latents)
             self._progress.update()
         # The last step re-noises to sigma 0: ``latents`` is the chunk's x0. Store its clean K/V.
-        self._forward(latents, torch.tensor(self.context_noise, device=latents.device), final=True)
+        self._forward(latents, self._context_timestep(), self.start_frame, final=True)
         self._progress.update()
+        self._keep_clean(latents)
         self.chunk_index += 1
         if self.decoder is None:
             return latents
         video = self.decoder.decode(latents)
         return pipe.video_processor.postprocess_video(video, output_type=self.output_type)
 
-    def _forward(self, latents: torch.Tensor, t: torch.Tensor, final: bool = False) -> torch.Tensor:
-        """The flow prediction for the current chunk (CFG as one batch over one cache), in float32; ``final``:
-        the clean-context pass, which stores the chunk's K/V."""
+    def _switch_prompt(self, switch: PromptSwitch) -> None:
+        """Apply the switch due at this chunk: with ``recache``, store the visible chunks after the sink again
+        under the new text, oldest first, each from its clean latents by a clean-context pass; then use it."""
+        negative = self.negative_prompt_embeds if switch.negative_prompt_embeds is None else switch.negative_prompt_embeds
+        if switch.recache:
+            with self.cache.recache() as chunks:
+                for start, _ in chunks:
+                    self._forward(self.clean_latents[start], self._context_timestep(), start, final=True,
+                                  text=(switch.prompt_embeds, negative))
+        self.prompt_embeds, self.negative_prompt_embeds = switch.prompt_embeds, negative
+        del self.switches[switch.frame]
+
+    def _keep_clean(self, latents: torch.Tensor) -> None:
+        """Hold the x0 of the chunks a re-cache would store again (the visible ones after the sink), as the
+        clean-context pass took it; free the others."""
+        visible = {start for start, _ in self.cache.recache_chunks()}
+        if self.start_frame in visible:
+            self.clean_latents[self.start_frame] = latents.to(self.pipe.transformer.dtype, copy=True)
+        self.clean_latents = {start: x for start, x in self.clean_latents.items() if start in visible}
+
+    def _context_timestep(self) -> torch.Tensor:
+        return torch.tensor(self.context_noise, device=self.pipe._execution_device)
+
+    def _forward(
+        self,
+        latents: torch.Tensor,
+        t: torch.Tensor,
+        start_frame: int,
+        final: bool = False,
+        text: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """The flow prediction for the chunk at ``start_frame`` (CFG as one batch over one cache), in float32;
+        ``final``: the clean-context pass, which stores the chunk's K/V; ``text``: (prompt, negative)
+        embeddings other than the stream's."""
         transformer = self.pipe.transformer
         model_input = latents.to(transformer.dtype)
-        text = self.prompt_embeds
+        prompt_embeds, negative_prompt_embeds = (self.prompt_embeds, self.negative_prompt_embeds) if text is None else text
+        text_states = prompt_embeds
         if self.do_classifier_free_guidance:
             model_input = torch.cat([model_input, model_input])
-            text = torch.cat([self.negative_prompt_embeds, self.prompt_embeds])
+            text_states = torch.cat([negative_prompt_embeds, prompt_embeds])
         timestep = t.to(torch.float32).expand(model_input.shape[0])
-        with self.cache.chunk(start_frame=self.start_frame, final=final, hidden_states=model_input):
-            flow = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=text,
+        with self.cache.chunk(start_frame=start_frame, final=final, hidden_states=model_input):
+            flow = transformer(hidden_states=model_input, timestep=timestep, encoder_hidden_states=text_states,
                                return_dict=False)[0].float()
         if self.do_classifier_free_guidance:
             uncond, cond = flow.chunk(2)

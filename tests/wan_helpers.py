@@ -24,16 +24,18 @@ TINY_CONFIG = dict(
 
 
 def build(model_cls, dtype: torch.dtype, seed: int, **extra):
-    """``model_cls`` from the tiny config; diffusers draws initial weights from the global RNG, so it is
-    forked and seeded here and left as it was."""
+    """``model_cls`` from the tiny config (``extra`` added or replaced); diffusers draws initial weights from
+    the global RNG, so it is forked and seeded here and left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(**TINY_CONFIG, **extra)
+        model = model_cls(**(TINY_CONFIG | extra))
     return model.to(dtype).eval()
 
 
-def tiny_wan(dtype: torch.dtype = torch.float64, seed: int = 0) -> WanTransformer3DModel:
-    return build(WanTransformer3DModel, dtype, seed)
+def tiny_wan(dtype: torch.dtype = torch.float64, seed: int = 0, **config) -> WanTransformer3DModel:
+    """``config``: fields replaced in the tiny config (``rope_max_seq_len=16``: the same weights, a shorter
+    RoPE table)."""
+    return build(WanTransformer3DModel, dtype, seed, **config)
 
 
 class MaskedSelfAttention(WanAttnProcessor):

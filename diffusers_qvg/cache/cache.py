@@ -25,6 +25,17 @@ starts instead of at the first forward: the forward then holds tensor work only,
 (``fullgraph=True``) needs. Writes are checked on the device (:class:`~diffusers_qvg.codecs.status.WriteStatus`)
 and the check is read once, when the block ends: a failed write raises there, and if it was the block's first
 write, the cache is exactly as it was.
+
+A prompt switch stores the visible chunks after the sink again under the new text (LongLive's KV re-cache),
+one clean-context pass each, through this same write path::
+
+    with cache.recache() as chunks:                   # [(start_frame, frames), ...], oldest first
+        for start, frames in chunks:
+            with cache.chunk(start_frame=start, final=True):
+                transformer(clean_latents[start], 0, new_prompt_embeds)
+
+A stream longer than the transformer's RoPE table re-bases its window's positions (keys are stored before
+RoPE and rotated as they are read): see :func:`~diffusers_qvg.cache.plan.window_positions`.
 """
 
 from __future__ import annotations
@@ -45,7 +56,7 @@ from .errors import ChunkRewriteSizeError
 from .layer import LayerCache
 from .layout import ChunkLayout, Move
 from .memory import MemoryReport
-from .plan import ReadPlan, build_read_plan, window_frame_ids
+from .plan import ReadPlan, build_read_plan, window_positions
 from .workspace import Workspace
 
 
@@ -100,6 +111,7 @@ class QVGCache:
         self.active = False  # a bool, not derived from active_start: compiled forwards guard on it
         self.active_start: int | None = None
         self.active_final = False
+        self.recaching: list[tuple[int, int]] | None = None  # the chunks of an open cache.recache() block
         self.reset()
 
     def reset(self, config: CacheConfig | None = None) -> None:
@@ -108,6 +120,8 @@ class QVGCache:
         graphs, from one video to the next)."""
         if self.active:
             raise RuntimeError("cache.reset() inside an active cache.chunk(...) block; reset between chunks")
+        if self.recaching is not None:
+            raise RuntimeError("cache.reset() inside a cache.recache() block; leave the block first")
         if config is not None:
             if not isinstance(config, CacheConfig):
                 raise TypeError(f"config must be a CacheConfig, got {type(config).__name__}")
@@ -140,6 +154,8 @@ class QVGCache:
             raise RuntimeError(f"a chunk at frame {self.active_start} is already active; chunk blocks do not nest")
         if self.interrupted is not None:
             raise RuntimeError(self.interrupted)
+        if self.recaching is not None:
+            self.check_recache_start(start_frame, final)
         self.layout.check_start(start_frame, final)
         if hidden_states is not None and self.rope is None:
             raise ValueError(
@@ -220,6 +236,12 @@ class QVGCache:
                 "a compiled transformer forward cannot plan its chunk (Python bookkeeping); plan it before the "
                 "forward: `with cache.chunk(start_frame=f, hidden_states=x): transformer(hidden_states=x, ...)`"
             )
+        expected = self.recache_next()
+        if expected is not None and frames != expected[1]:
+            raise ValueError(
+                f"the chunk at frame {expected[0]} has {expected[1]} frames but this re-cache pass has {frames}; "
+                "store every chunk again from its own clean latents"
+            )
         layout, moves = self.layout.plan(self.active_start, frames, height, width)
         if self.geometry is not None:
             B, _, _, _, device = self.geometry
@@ -236,7 +258,8 @@ class QVGCache:
             # Held in the compute dtype (float32; float64 for float64 models): half the bytes every layer's
             # read rotates with, and no float64 arithmetic on the GPU.
             dtype = compute_dtype_for(hidden_states.dtype)
-            rotary = tuple(t.to(dtype) for t in wan_rope_for_frames(rope, window_frame_ids(layout), height, width))
+            positions = window_positions(layout, rope.max_seq_len)
+            rotary = tuple(t.to(dtype) for t in wan_rope_for_frames(rope, positions, height, width))
             self.planned = (layout, build_read_plan(layout, rotary, hidden_states.device))
         final = self.active_final and self.config.commit == "final-pass"
         commit = None
@@ -283,6 +306,95 @@ class QVGCache:
                 f"this forward has batch {hidden_states.shape[0]} but the chunk was planned for batch {planned[0]}; "
                 "keep batch fixed for a video (batch both CFG branches)"
             )
+
+    # Re-cache: the visible chunks after the sink stored again (a prompt switch, LongLive's KV re-cache).
+    def recache_chunks(self) -> list[tuple[int, int]]:
+        """``(start_frame, frames)`` of the chunks :meth:`recache` stores again, oldest first: every visible
+        chunk after the sink (a stream keeps their clean latents for that, and frees them as they leave)."""
+        return [(c.start_frame, c.frames) for c in self.layout.chunks if c.place in ("recent", "packed")]
+
+    @contextmanager
+    def recache(self) -> Iterator[list[tuple[int, int]]]:
+        """Store the visible chunks after the sink again, from the clean-context passes the block runs.
+
+        Yields :meth:`recache_chunks`; run each one's clean-context pass inside, in that order::
+
+            with cache.recache() as chunks:
+                for start, frames in chunks:
+                    with cache.chunk(start_frame=start, final=True, hidden_states=x[start]):
+                        transformer(x[start], context_noise, new_prompt_embeds)
+
+        Each pass attends to the sink and to the chunks stored again before it, as the chunk's own clean-context
+        pass attended to the chunks then visible, and stores through the cache's write path: into the
+        storage the chunks had (nothing is allocated), packed chunks packed again from the new K/V. The sink
+        keeps its K/V. Between chunks, under ``commit="final-pass"``. A block that ends before the first
+        chunk is stored again leaves the cache as it was; one that stops after it leaves the window part
+        stored again, and the cache refuses further chunks until :meth:`reset`.
+        """
+        if self.active:
+            raise RuntimeError("cache.recache() inside an active cache.chunk(...) block; re-cache between chunks")
+        if self.interrupted is not None:
+            raise RuntimeError(self.interrupted)
+        if self.recaching is not None:
+            raise RuntimeError("cache.recache() blocks do not nest")
+        if self.config.commit != "final-pass":
+            raise ValueError(
+                "cache.recache() stores chunks by clean-context passes, which only commit='final-pass' has; "
+                "enable the cache with commit='final-pass'"
+            )
+        current = self.layout.current
+        if current is not None:
+            raise RuntimeError(
+                f"the chunk at frame {current.start_frame} is being denoised; re-cache between chunks, after its "
+                f"clean-context pass (cache.chunk(start_frame={current.start_frame}, final=True))"
+            )
+        chunks, before = self.recache_chunks(), self.layout
+        self.layout, self.recaching = before.rewound(), chunks
+        completed = False
+        try:
+            yield list(chunks)
+            completed = True
+        finally:
+            self.end_recache(before, completed)
+
+    def recache_next(self) -> tuple[int, int] | None:
+        """The chunk an open :meth:`recache` block stores next (``None``: no block, or all are stored)."""
+        if self.recaching is None:
+            return None
+        todo = self.recaching[len(self.recache_chunks()) :]
+        return todo[0] if todo else None
+
+    def check_recache_start(self, start_frame: int, final: bool) -> None:
+        expected = self.recache_next()
+        if expected is None:
+            raise ValueError("every chunk of this re-cache is stored again; leave the cache.recache() block")
+        if start_frame != expected[0] or final is not True:
+            raise ValueError(
+                f"inside cache.recache(), run the clean-context pass of the chunk at frame {expected[0]} "
+                f"(cache.chunk(start_frame={expected[0]}, final=True)), the next to store again; got "
+                f"start_frame={start_frame!r}, final={final!r}"
+            )
+
+    def end_recache(self, before: ChunkLayout, completed: bool) -> None:
+        chunks, self.recaching = self.recaching, None
+        done = self.recache_chunks()
+        if self.interrupted is None and done == chunks:
+            return
+        if self.interrupted is None and not done:
+            self.layout = before  # nothing was stored again: the window is as it was
+            if completed:
+                raise RuntimeError(
+                    f"the cache.recache() block ended before storing the chunk at frame {chunks[0][0]} again; run "
+                    "the clean-context pass of every chunk it yields, in order (the cache is unchanged)"
+                )
+            return
+        if self.interrupted is None:
+            self.interrupted = (
+                f"the re-cache stopped after storing {len(done)} of {len(chunks)} chunks again, so the window "
+                "holds K/V of different passes; call cache.reset() and generate the video again"
+            )
+        if completed:
+            raise RuntimeError(self.interrupted)
 
     def layer_committed(self, index: int) -> None:
         """Layer ``index`` stored its part of the clean-context pass; once all have, the chunk is final (for

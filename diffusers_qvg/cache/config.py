@@ -32,6 +32,8 @@ class CacheConfig:
         commit: ``"on-advance"`` or ``"final-pass"`` (above).
         expected_frames: latent frames the stream is expected to span (a pipeline knows them): the packed
             pool is preallocated for exactly those chunks rather than in blocks of 8 (it still grows beyond).
+        rope_frames: frame positions RoPE may use; ``None``: the transformer's ``rope_max_seq_len``. A stream
+            running past them re-bases its window (:func:`~diffusers_qvg.cache.plan.window_positions`).
     """
 
     storage: CodecConfig | str = "qvg-int2"
@@ -44,6 +46,7 @@ class CacheConfig:
     chunk_frames: int | None = None
     commit: Literal["on-advance", "final-pass"] = "on-advance"
     expected_frames: int | None = None
+    rope_frames: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage", resolve_codec(self.storage))
@@ -54,7 +57,7 @@ class CacheConfig:
                 raise ValueError(f"{name}={value!r} is invalid: use a non-negative integer")
         if self.commit not in ("on-advance", "final-pass"):
             raise ValueError(f"commit={self.commit!r} is invalid: use 'on-advance' or 'final-pass'")
-        for name in ("window_frames", "chunk_frames", "expected_frames"):
+        for name in ("window_frames", "chunk_frames", "expected_frames", "rope_frames"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is invalid: use a positive number of latent frames or None")

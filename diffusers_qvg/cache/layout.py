@@ -3,8 +3,9 @@
 All layers of a transformer write the same chunks, so one :class:`ChunkLayout` describes every layer's
 storage. :meth:`ChunkLayout.plan` validates a forward's chunk and returns the next layout plus the tensor
 moves it implies (a finished chunk into the sink, recent chunks into the packed pool);
-:meth:`ChunkLayout.finalize` does the same for a clean-context pass under ``commit="final-pass"``. Neither
-mutates ``self``, so every error is raised before any state changes.
+:meth:`ChunkLayout.finalize` does the same for a clean-context pass under ``commit="final-pass"``, and
+:meth:`ChunkLayout.rewound` opens a re-cache. None mutates ``self``, so every error is raised before any
+state changes.
 """
 
 from __future__ import annotations
@@ -186,6 +187,17 @@ class ChunkLayout:
             chunk.slot = new.free_ring_slot()
             moves.append(ToRing(chunk.slot, chunk.tokens))
         return new, moves
+
+    def rewound(self) -> "ChunkLayout":
+        """A copy holding only the sink, its next chunk the oldest chunk after the sink: a re-cache
+        (``QVGCache.recache``) stores the chunks after the sink again, in order, by clean-context passes.
+        Between chunks only (no chunk being denoised)."""
+        new = copy.deepcopy(self)
+        rest = [c for c in new.chunks if c.place != "sink"]
+        if rest:
+            new.next_frame = rest[0].start_frame
+        new.chunks = [c for c in new.chunks if c.place == "sink"]
+        return new
 
     # The steps of an advance, applied to a copy by ``plan`` (and ``finalize``).
     def start(self, start_frame: int, frames: int, height: int, width: int) -> None:

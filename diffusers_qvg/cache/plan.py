@@ -35,9 +35,43 @@ class ReadPlan:
     current_rotary: tuple[torch.Tensor, torch.Tensor]
 
 
-def window_frame_ids(layout: ChunkLayout) -> list[int]:
-    """Global frame index of every visible frame, in window order (oldest chunk first)."""
-    return [f for c in layout.chunks for f in range(c.start_frame, c.end_frame)]
+def window_positions(layout: ChunkLayout, table_frames: int) -> list[int]:
+    """RoPE frame position of every visible frame, in window order (oldest chunk first).
+
+    A frame's position is its global frame index while the newest visible frame fits the RoPE table
+    (``table_frames`` positions, the transformer's ``rope_max_seq_len``, or fewer by ``rope_frames``). Past
+    it, the window is re-based: every chunk after the sink moves back by the smallest shift that puts the
+    newest frame on the table's last position, and the sink keeps its positions in front. Distances within
+    the window stay exact; the distance from the sink to the window stops growing. Keys stored before RoPE
+    are rotated as they are read, so a new shift re-encodes nothing; keys stored rotated cannot move.
+    """
+    cfg = layout.config
+    limit = table_frames if cfg.rope_frames is None else cfg.rope_frames
+    if limit > table_frames:
+        raise ValueError(
+            f"rope_frames={cfg.rope_frames} exceeds the transformer's rope_max_seq_len={table_frames}; pass "
+            f"rope_frames <= {table_frames} or None"
+        )
+    shift = max(0, layout.next_frame - limit)
+    if shift and not cfg.keys_before_rope:
+        raise ValueError(
+            f"the chunk ending at frame {layout.next_frame} runs past the {limit} RoPE positions, so the window "
+            "must be re-based, but this cache stores keys after RoPE (keys_before_rope=False): their positions "
+            "were fixed when they were stored, and moving them would decode, un-rotate, re-rotate and re-encode "
+            "every cached chunk at every chunk. Use keys_before_rope=True (the default: keys are rotated as "
+            "they are read) or a transformer with a larger rope_max_seq_len"
+        )
+    sink = [c for c in layout.chunks if c.place == "sink"]
+    rest = [c for c in layout.chunks if c.place != "sink"]
+    if shift and rest and rest[0].start_frame - shift < (sink[-1].end_frame if sink else 0):
+        raise ValueError(
+            f"frames {rest[0].start_frame} to {layout.next_frame - 1} are visible after the sink but RoPE has "
+            f"{limit} positions, too few to re-base them behind the sink; a window of at most {limit} latent "
+            f"frames (sink included) fits: pass window_frames <= {limit}"
+        )
+    return [f for c in sink for f in range(c.start_frame, c.end_frame)] + [
+        f - shift for c in rest for f in range(c.start_frame, c.end_frame)
+    ]
 
 
 def build_read_plan(

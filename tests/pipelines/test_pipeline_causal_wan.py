@@ -226,11 +226,11 @@ def test_a_compiled_pipeline_matches_eager_and_reuses_its_graphs_across_videos()
     compiled.compile_transformer(backend=counter)
     settings = dict(**SMALL, num_frames=33, kv_cache="bf16", window_frames=6, output_type="latent")
     counts = []
-    for seed in (0, 1):
-        video = compiled(**settings, generator=seeded(seed)).frames
-        assert torch.equal(video, eager(**settings, generator=seeded(seed)).frames)
+    for seed, switches in ((0, None), (1, {6: "a blue whale"})):  # a prompt switch re-caches by clean passes
+        video = compiled(**settings, generator=seeded(seed), prompt_switches=switches).frames
+        assert torch.equal(video, eager(**settings, generator=seeded(seed), prompt_switches=switches).frames)
         counts.append(counter.frame_count)
-    assert counts[0] == counts[1] <= 4  # the second video compiles nothing
+    assert counts[0] == counts[1] <= 4  # the second video, and its re-cache, compile nothing
     assert compiled._kept_cache is not None and not stock_processors(compiled)  # kept installed, emptied
     assert compiled._kept_cache.layout.chunks == [] and stock_processors(eager)
     torch._dynamo.reset()
