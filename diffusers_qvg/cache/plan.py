@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import SegmentTable, segment_table
+from ..rotary import RotaryPairs, rotary_pairs
 from .layout import ChunkLayout
 
 
@@ -21,7 +22,9 @@ class ReadPlan:
     The tables are built here, once per layout, with their rows on the host and on the device: every
     layer's reads validate against the host rows and never synchronise the device.
 
-    ``rotary`` is the window's ``(cos, sin)`` [1, W, 1, D]; the current chunk's RoPE is its slice.
+    ``rotary`` is the window's RoPE as :class:`~diffusers_qvg.rotary.RotaryPairs` (what every layer's key read
+    streams: half the bytes of ``(cos, sin)``); ``current_rotary`` is the current chunk's dense ``(cos, sin)``
+    [1, n, 1, D], what the attention processor rotates the chunk's queries and keys with.
     """
 
     sink: SegmentTable | None
@@ -30,12 +33,12 @@ class ReadPlan:
     current_start: int
     current_tokens: int
     window_tokens: int
-    rotary: tuple[torch.Tensor, torch.Tensor]
+    rotary: RotaryPairs
+    current_rotary: tuple[torch.Tensor, torch.Tensor]
 
     @property
-    def current_rotary(self) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.current_start + self.current_tokens
-        return tuple(t[:, self.current_start : end] for t in self.rotary)
+    def rotary_nbytes(self) -> int:
+        return self.rotary.nbytes + sum(t.numel() * t.element_size() for t in self.current_rotary)
 
 
 def window_frame_ids(layout: ChunkLayout) -> torch.Tensor:
@@ -61,12 +64,14 @@ def build_read_plan(
         return segment_table(rows, device) if rows else None
 
     current = layout.current
+    start = dst - current.tokens
     return ReadPlan(
         sink=table(sink),
         packed=tuple((block, table(rows)) for block, rows in sorted(packed.items())),
         recent=table(recent),
-        current_start=dst - current.tokens,
+        current_start=start,
         current_tokens=current.tokens,
         window_tokens=dst,
-        rotary=rotary,
+        rotary=rotary_pairs(*rotary),
+        current_rotary=tuple(t[:, start:dst].clone() for t in rotary),  # a copy: the dense window tables can go
     )
