@@ -25,7 +25,8 @@ def test_small_run_prints_the_table_and_json(tmp_path):
     assert report["meta"]["data"].startswith("video-derived")
     names = [r["name"] for r in report["rows"]]
     for expected in ("residual codes, 2 launches (ours)", "Lloyd iters, deterministic Triton (ours)",
-                     "ours, 1 launch per tensor, K +RoPE and V", "torch reference decoder", "plain 2-bit unpack",
+                     "ours, 1 launch per tensor, K +RoPE and V", "K +RoPE (RotaryPairs) and V in 1 launch",
+                     "dequantize_pair_into", "torch reference decoder", "plain 2-bit unpack",
                      "copy roofline"):
         assert any(expected in n for n in names), expected
     assert all(r["ms"] > 0 for r in report["rows"])
