@@ -92,19 +92,29 @@ def _pow3(k):
 
 
 @triton.jit
+def _elements(base, block_offset, offsets, ty: tl.constexpr):
+    """Element pointers [BT, NRUNS, 1] of ``ty`` at byte ``offsets`` past byte pointer ``base`` (+ the block's
+    element offset): a byte offset adds to a 64-bit address in two instructions, a scaled one in four."""
+    size: tl.constexpr = ty.primitive_bitwidth // 8
+    return ((base + block_offset * size) + offsets).to(tl.pointer_type(ty))[:, :, None]
+
+
+@triton.jit
 def _decode_block(
     t0, n, key, shift,
     codes_p, scales_p, zeros_p, ids_p, cent_p, cscale_p, cos_p, sin_p, out_p,
     code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok,
     s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
     s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d,
-    D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, TRITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-    QMAX: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr, CSCALE_PER_ID: tl.constexpr,
-    ROTARY: tl.constexpr, PAIRED: tl.constexpr, SOFTWARE_BF16: tl.constexpr, BLOCK_T: tl.constexpr,
-    RUN: tl.constexpr, WINDOW: tl.constexpr, MASKED: tl.constexpr,
+    out_ty: tl.constexpr, cos_ty: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
+    TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, STAGES: tl.constexpr,
+    CENT_SCALED: tl.constexpr, CSCALE_PER_ID: tl.constexpr, ROTARY: tl.constexpr, PAIRED: tl.constexpr,
+    SOFTWARE_BF16: tl.constexpr, BLOCK_T: tl.constexpr, RUN: tl.constexpr, WINDOW: tl.constexpr,
+    MASKED: tl.constexpr,
 ):
     """Tokens ``[t0, t0 + BLOCK_T)`` of the tile (``MASKED``: only those below ``n``). The ``*_p`` are scalar
-    pointers at the tile's first token; the ``*_off`` hoisted int32 offsets [BLOCK_T, NRUNS] of each row and run."""
+    pointers at the tile's first token; the ``*_off`` hoisted int32 offsets [BLOCK_T, NRUNS] of each row and run
+    (in bytes for the workspace and RoPE tables, whose ``*_p`` are byte pointers: see :func:`_elements`)."""
     NRUNS: tl.constexpr = D_PAD // RUN
     within = tl.arange(0, RUN)[None, None, :]
     if MASKED:
@@ -156,11 +166,11 @@ def _decode_block(
 
     if ROTARY:  # Wan's interleaved pairs: (x1 cos - x2 sin, x1 sin + x2 cos), cos at even and sin at odd channels
         if key:
-            cos = tl.load((cos_p + t0 * s_cos_t + cos_off)[:, :, None] + within * s_cos_d, mask=row_ok3)
+            cos = tl.load(_elements(cos_p, t0 * s_cos_t, cos_off, cos_ty) + within * s_cos_d, mask=row_ok3)
             if PAIRED:
                 sin = cos
             else:
-                sin = tl.load((sin_p + t0 * s_sin_t + sin_off)[:, :, None] + within * s_sin_d, mask=row_ok3)
+                sin = tl.load(_elements(sin_p, t0 * s_sin_t, sin_off, cos_ty) + within * s_sin_d, mask=row_ok3)
             PAIRS: tl.constexpr = (BLOCK_T, NRUNS, RUN // 2, 2) if RUN > 1 else (BLOCK_T, NRUNS // 2, 2)
             x1, x2 = tl.split(tl.reshape(x, PAIRS))
             c_even, _ = tl.split(tl.reshape(cos, PAIRS))
@@ -171,8 +181,8 @@ def _decode_block(
         ok = row_ok3 & col_ok if D_PAD > D else row_ok3
     else:
         ok = col_ok if D_PAD > D else None
-    out = (out_p + t0 * s_out_t + out_off)[:, :, None] + within * s_out_d
-    tl.store(out, cast_exact(x, out_p.dtype.element_ty, SOFTWARE_BF16), mask=ok)
+    out = _elements(out_p, t0 * s_out_t, out_off, out_ty) + within * s_out_d
+    tl.store(out, cast_exact(x, out_ty, SOFTWARE_BF16), mask=ok)
 
 
 @triton.jit
@@ -215,6 +225,13 @@ def _window_kernel(
     shift = tl.load(tl.where(key, k_shift, v_shift) + (slot * s_shift_slot + b * s_shift_b + h * s_shift_h))
     cos_p = cos_ptr + dst * s_cos_t
     sin_p = sin_ptr + dst * s_sin_t
+    out_ty: tl.constexpr = k_out.dtype.element_ty
+    cos_ty: tl.constexpr = cos_ptr.dtype.element_ty
+    OUT_SIZE: tl.constexpr = out_ty.primitive_bitwidth // 8
+    COS_SIZE: tl.constexpr = cos_ty.primitive_bitwidth // 8
+    out_p = out_p.to(tl.pointer_type(tl.int8))
+    cos_p = cos_p.to(tl.pointer_type(tl.int8))
+    sin_p = sin_p.to(tl.pointer_type(tl.int8))
 
     # What each run needs, once per program: its code window, digit position, group, columns.
     NRUNS: tl.constexpr = D_PAD // RUN
@@ -241,9 +258,9 @@ def _window_kernel(
     zero_off = t * s_zeros_t + group * s_zeros_g
     id_off = t * s_ids_t + first * 0
     cent_col = first * s_cent_d
-    cos_off = t * s_cos_t + first * s_cos_d
-    sin_off = t * s_sin_t + first * s_sin_d
-    out_off = t * s_out_t + first * s_out_d
+    cos_off = (t * s_cos_t + first * s_cos_d) * COS_SIZE
+    sin_off = (t * s_sin_t + first * s_sin_d) * COS_SIZE
+    out_off = (t * s_out_t + first * s_out_d) * OUT_SIZE
 
     if n >= BLOCK_T:
         for t0 in range(0, n, BLOCK_T):
@@ -253,7 +270,7 @@ def _window_kernel(
                 code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok,
                 s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
                 s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d,
-                D, D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
+                out_ty, cos_ty, D, D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
                 SOFTWARE_BF16, BLOCK_T, RUN, WINDOW, False,
             )
     else:  # a tile shorter than one block: masked rows
@@ -263,7 +280,7 @@ def _window_kernel(
             code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok,
             s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
             s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d,
-            D, D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
+            out_ty, cos_ty, D, D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
             SOFTWARE_BF16, BLOCK_T, RUN, WINDOW, True,
         )
 
