@@ -113,6 +113,10 @@ def fma_count(ptx: str) -> int:
     return len(re.findall(r"\bfma\.rn\.f32\b", ptx))
 
 
+def mul_count(ptx: str) -> int:
+    return len(re.findall(r"\bmul\.(rn\.)?f32\b", ptx))
+
+
 def window_decoder_compiles_as_launched() -> None:
     """A 21-frame and a 240-frame Self-Forcing window (6 and 79 packed chunks of 4,680 tokens x 12 heads x 128,
     qvg-int2), batch 1 and 2 (CFG), keys with RoPE and values in one launch: one binary, no spills, vector
@@ -146,13 +150,15 @@ def window_decoder_compiles_as_launched() -> None:
         assert kernel.metadata.enable_fp_fusion is False
         assert_ieee_division(ptx)
         assert "st.global.v4.b32" in ptx and not re.search(r"st\.global\.b16", ptx)  # 16-byte stores only
-    # No implicit contraction (enable_fp_fusion=False above); the explicit FMAs are the two exact-product ones per
-    # decoded channel (centroid x power-of-two scale, level x step) in each copy of the block (full and masked;
-    # LLVM may unswitch the key/value branch into more copies), none from RoPE's rounded products.
-    per_copy = 2 * BLOCK_T * D // (32 * NUM_WARPS)
-    assert fma_count(alone[1].asm["ptx"]) == 2 * per_copy
-    assert fma_count(pair[0][1].asm["ptx"]) % per_copy == 0
-    print(f"window decoder (K+V, RoPE): {re.search(r'Used (\\d+) registers', pair[0][2]).group(1)} registers, no spills")
+    # No implicit contraction (enable_fp_fusion=False above). The explicit FMAs are the two exact-product ones per
+    # decoded channel (centroid x power-of-two scale, level x step), in each of the block's two copies (full and
+    # masked); RoPE's rounded products stay separate multiplies: 4 per channel pair in each copy LLVM keeps.
+    elements = BLOCK_T * D // (32 * NUM_WARPS)  # per thread and block
+    assert fma_count(alone[1].asm["ptx"]) == 2 * 2 * elements
+    rope_muls = mul_count(pair[0][1].asm["ptx"]) - mul_count(alone[1].asm["ptx"])
+    assert rope_muls > 0 and rope_muls % (4 * elements // 2) == 0
+    registers = re.search(r"Used (\d+) registers", pair[0][2]).group(1)
+    print(f"window decoder (K+V, RoPE): {registers} registers, no spills")
 
 
 def residual_quantizer_compiles() -> None:
