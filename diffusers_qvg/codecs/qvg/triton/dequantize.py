@@ -36,7 +36,9 @@ from ..format import QVGPacked
 from . import INTERPRETING, centroid_scale_operand, check_runnable
 from .numerics import cast_exact
 
-BLOCK_T = 16  # tokens per block: 8 channels x 2 tokens per thread (4 warps): 48 registers on sm_90, 10 CTAs per SM
+# Tokens per block: on sm_90, 8 channels x 2 tokens per thread (4 warps), 48 registers, 10 CTAs per SM; the
+# interpreter, where only the per-block overhead counts, takes bigger blocks (the same code path).
+BLOCK_T = 32 if INTERPRETING else 16
 NUM_WARPS = 4
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAGIC = tl.constexpr(0x4B400000)  # float bits of 2^23 + 2^22: adding an integer u < 2^22 gives the float 12582912 + u
@@ -101,11 +103,7 @@ def _elements(base, block_offset, offsets, ty: tl.constexpr):
 
 @triton.jit
 def _decode_block(
-    t0, n, key, shift,
-    codes_p, scales_p, zeros_p, ids_p, cent_p, cscale_p, cos_p, sin_p, out_p,
-    code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok,
-    s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
-    s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d,
+    t0, n, key, shift, pointers, offsets, strides,
     out_ty: tl.constexpr, cos_ty: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr,
     TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, STAGES: tl.constexpr,
     CENT_SCALED: tl.constexpr, CSCALE_PER_ID: tl.constexpr, ROTARY: tl.constexpr, PAIRED: tl.constexpr,
@@ -115,6 +113,10 @@ def _decode_block(
     """Tokens ``[t0, t0 + BLOCK_T)`` of the tile (``MASKED``: only those below ``n``). The ``*_p`` are scalar
     pointers at the tile's first token; the ``*_off`` hoisted int32 offsets [BLOCK_T, NRUNS] of each row and run
     (in bytes for the workspace and RoPE tables, whose ``*_p`` are byte pointers: see :func:`_elements`)."""
+    codes_p, scales_p, zeros_p, ids_p, cent_p, cscale_p, cos_p, sin_p, out_p = pointers
+    code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok = offsets
+    (s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
+     s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d) = strides
     NRUNS: tl.constexpr = D_PAD // RUN
     within = tl.arange(0, RUN)[None, None, :]
     if MASKED:
@@ -262,28 +264,19 @@ def _window_kernel(
     sin_off = (t * s_sin_t + first * s_sin_d) * COS_SIZE
     out_off = (t * s_out_t + first * s_out_d) * OUT_SIZE
 
+    pointers = (codes_p, scales_p, zeros_p, ids_p, cent_p, cscale_p, cos_p, sin_p, out_p)
+    offsets = (code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok)
+    strides = (s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
+               s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d)
     if n >= BLOCK_T:
         for t0 in range(0, n, BLOCK_T):
-            _decode_block(
-                tl.minimum(t0, n - BLOCK_T), n, key, shift,
-                codes_p, scales_p, zeros_p, ids_p, cent_p, cscale_p, cos_p, sin_p, out_p,
-                code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok,
-                s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
-                s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d,
-                out_ty, cos_ty, D, D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
-                SOFTWARE_BF16, BLOCK_T, RUN, WINDOW, False,
-            )
+            _decode_block(tl.minimum(t0, n - BLOCK_T), n, key, shift, pointers, offsets, strides, out_ty, cos_ty, D,
+                          D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
+                          SOFTWARE_BF16, BLOCK_T, RUN, WINDOW, False)
     else:  # a tile shorter than one block: masked rows
-        _decode_block(
-            n * 0, n, key, shift,
-            codes_p, scales_p, zeros_p, ids_p, cent_p, cscale_p, cos_p, sin_p, out_p,
-            code_off, scale_off, zero_off, id_off, cent_col, cos_off, sin_off, out_off, lead_pow, sel_shift, col_ok,
-            s_codes_t, s_codes_c, s_scales_t, s_zeros_t, s_ids_t, s_ids_s, s_cent_stage, s_cent_k, s_cent_d,
-            s_cscale_stage, s_cscale_k, s_cos_t, s_cos_d, s_sin_t, s_sin_d, s_out_t, s_out_d,
-            out_ty, cos_ty, D, D_PAD, BITS, TRITS, SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED,
-            SOFTWARE_BF16, BLOCK_T, RUN, WINDOW, True,
-        )
-
+        _decode_block(n * 0, n, key, shift, pointers, offsets, strides, out_ty, cos_ty, D, D_PAD, BITS, TRITS,
+                      SYMMETRIC, QMAX, STAGES, CENT_SCALED, CSCALE_PER_ID, ROTARY, PAIRED, SOFTWARE_BF16, BLOCK_T,
+                      RUN, WINDOW, True)
 
 def run_layout(config, head_dim: int) -> tuple[int, int]:
     """``(RUN, WINDOW)``: channels per thread run (the largest power of two <= 8 dividing the group, so a run never
