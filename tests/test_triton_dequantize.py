@@ -20,6 +20,7 @@ VARIANTS = {
     "official-bits-no-stages": dq.QVGConfig(packing="bits", stages=0, group_size=32),
     "asym-int4-fp16-3stages": dq.QVGConfig(bits=4, symmetric=False, num_centroids=6, stages=3, centroid_dtype="float16"),
     "fp32-centroids-int16-ids": dq.QVGConfig(num_centroids=300, centroid_dtype="float32", group_size=8),
+    "trits-e4m3-scale-per-centroid-2stages": dq.QVGConfig(num_centroids=7, centroid_scale="centroid", stages=2),
 }
 
 
@@ -177,6 +178,8 @@ def test_window_at_self_forcing_size_is_bit_identical_on_gpu(name):
         reference(storage, segments, expected, rotary)
         triton_dequantize(storage, segments, out, rotary)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    values = random_storage(config, batch=1, tokens=7 * chunk, heads=heads, head_dim=D, slots=7, seed=1)
+    assert_pair_bit_identical(storage, values, segments, 7 * chunk, rotary_pairs(cos, sin))  # the cache's read
 
 
 # --- The window decoder's own paths: tiles, long and short segments, one launch for K and V -------------------------
