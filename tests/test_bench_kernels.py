@@ -25,7 +25,8 @@ def test_small_run_prints_the_table_and_json(tmp_path):
     assert report["meta"]["data"].startswith("video-derived")
     names = [r["name"] for r in report["rows"]]
     for expected in ("residual codes, 2 launches (ours)", "Lloyd iters, deterministic Triton (ours)",
-                     "ours, 1 launch per tensor, K +RoPE and V", "torch reference decoder", "plain 2-bit unpack",
+                     "ours, 1 launch per tensor, K +RoPE and V", "K +RoPE (RotaryPairs) and V in 1 launch",
+                     "dequantize_pair_into", "torch reference decoder", "plain 2-bit unpack",
                      "copy roofline"):
         assert any(expected in n for n in names), expected
     flash = next(r for r in report["rows"] if "flash-kmeans" in r["name"])
@@ -33,7 +34,7 @@ def test_small_run_prints_the_table_and_json(tmp_path):
         assert flash["ms"] is None and flash["error"] == "AssertionError: All tensors must be on CUDA"
         assert "| failed |" in result.stdout and "ERROR AssertionError" in result.stdout
     later = report["rows"][report["rows"].index(flash) + 1:]
-    assert [r["section"] for r in later].count("dequantize") == 6
+    assert [r["section"] for r in later].count("dequantize") == 8
     assert all(r["ms"] > 0 and r["error"] is None for r in report["rows"] if r is not flash)
     assert next(r for r in report["rows"] if r["name"].startswith("copy roofline"))["fraction_of_copy"] == pytest.approx(1.0)
 

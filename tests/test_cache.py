@@ -149,7 +149,8 @@ def test_memory_report_is_exact(setup):
     assert report.recent + report.current == storage_bytes(s for l in layers for s in l.ring)
     assert report.current == report.recent  # keep_recent_chunks=1: one slot each
     ws = cache.workspace
-    rotary = sum(t.numel() * t.element_size() for t in cache.planned[1].rotary)
+    plan = cache.planned[1]
+    rotary = plan.rotary.table.numel() * plan.rotary.table.element_size() + sum(t.numel() * t.element_size() for t in plan.current_rotary)
     assert report.workspace == ws.keys.numel() * ws.keys.element_size() * 2 + rotary
     assert report.total == report.cache + report.workspace
     # visible: the sink chunk and the two newest chunks, 8 tokens each, as BF16 K and V in 2 layers

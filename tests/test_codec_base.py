@@ -57,6 +57,25 @@ def test_segment_table_holds_host_rows_and_their_int32_tensor():
         dq.SegmentTable(table.rows, table.tensor[:1])
 
 
+
+def test_tiles_cut_the_written_tokens_into_disjoint_runs_of_the_last_row_that_writes_them():
+    from diffusers_qvg.codecs.base import TILE_TOKENS
+
+    rows = [(0, 10, 0, 0), (100, 4, 3, 1), (50, 2, 20, 2), (200, TILE_TOKENS + 5, 30, 1)]  # row 1 inside row 0; a gap
+    tiles = dq.segment_table(rows).tiles.tolist()
+    assert tiles == [
+        [0, 0, 3, 0], [100, 3, 4, 1], [7, 7, 3, 0], [50, 20, 2, 2],
+        [200, 30, TILE_TOKENS, 1], [200 + TILE_TOKENS, 30 + TILE_TOKENS, 5, 1],
+    ]  # (src_start, dst_start, tokens, slot), by destination; tokens 10..19 are nobody's
+    # Every written token once, from the last row naming it: the reference decoders' in-order copies.
+    owner = {}
+    for i, (src, n, dst, _) in enumerate(rows):
+        owner.update({dst + k: (i, src + k) for k in range(n)})
+    from_tiles = {d + k: s + k for s, d, n, _ in tiles for k in range(n)}
+    assert from_tiles == {d: src for d, (_, src) in owner.items()}
+    assert dq.SegmentTable(((0, 2, 0, 0),), torch.tensor([[0, 2, 0, 0]], dtype=torch.int32)).tiles.tolist() == [[0, 0, 2, 0]]
+    assert dq.segment_table([]).tiles.shape == (0, 4)
+
 BAD_TABLES = [
     (dq.segment_table([(0, 4, 0, 0), (4, 5, 4, 1)]), ValueError, "past the storage capacity 8"),
     (dq.segment_table([(0, 4, 0, 0), (4, 4, 7, 1)]), ValueError, "past the workspace length 10"),

@@ -20,6 +20,7 @@ VARIANTS = {
     "official-bits-no-stages": dq.QVGConfig(packing="bits", stages=0, group_size=32),
     "asym-int4-fp16-3stages": dq.QVGConfig(bits=4, symmetric=False, num_centroids=6, stages=3, centroid_dtype="float16"),
     "fp32-centroids-int16-ids": dq.QVGConfig(num_centroids=300, centroid_dtype="float32", group_size=8),
+    "trits-e4m3-scale-per-centroid-2stages": dq.QVGConfig(num_centroids=7, centroid_scale="centroid", stages=2),
 }
 
 
@@ -177,3 +178,178 @@ def test_window_at_self_forcing_size_is_bit_identical_on_gpu(name):
         reference(storage, segments, expected, rotary)
         triton_dequantize(storage, segments, out, rotary)
         assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    values = random_storage(config, batch=1, tokens=7 * chunk, heads=heads, head_dim=D, slots=7, seed=1)
+    assert_pair_bit_identical(storage, values, segments, 7 * chunk, rotary_pairs(cos, sin))  # the cache's read
+
+
+# --- The window decoder's own paths: tiles, long and short segments, one launch for K and V -------------------------
+
+from diffusers_qvg.codecs.base import TILE_TOKENS  # noqa: E402
+from diffusers_qvg.codecs.qvg.triton import dequantize as window  # noqa: E402
+from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_pair_into as triton_pair  # noqa: E402
+from diffusers_qvg.rotary import RotaryPairs, rotary_pairs  # noqa: E402
+
+
+def assert_pair_bit_identical(keys, values, segments, window_tokens, rotary=None):
+    """One launch for K (rotated) and V against the reference decoding each; both workspaces prefilled with 7."""
+    B, _, H, D = keys.shape
+    outs = [torch.full((B, window_tokens, H, D), 7.0, dtype=keys.dtype, device=DEVICE) for _ in range(4)]
+    segments = segments.to(DEVICE)
+    reference(keys, segments, outs[0], rotary)
+    reference(values, segments, outs[1])
+    triton_pair(keys, values, segments, outs[2], outs[3], rotary)
+    for got, want in ((outs[2], outs[0]), (outs[3], outs[1])):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    return outs[2], outs[3]
+
+
+def covered_mask(rows, window_tokens):
+    covered = torch.zeros(window_tokens, dtype=torch.bool, device=DEVICE)
+    for _, n, d, _ in rows:
+        covered[d : d + n] = True
+    return covered
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_one_launch_decodes_keys_and_values_of_every_variant_bit_identically(name):
+    """Segments longer than a block (the shifted last block), shorter ones (masked rows), a gap, batch 2 (CFG)."""
+    config = VARIANTS[name]
+    keys = random_storage(config, tokens=120, seed=1)
+    values = random_storage(config, tokens=120, seed=2)
+    rows = [(70, 50, 0, 2), (0, 41, 53, 0), (41, 5, 94, 1), (46, 24, 100, 1)]  # 50 and 41 tokens: 2 blocks each
+    k, v = assert_pair_bit_identical(keys, values, dq.segment_table(rows), 130, random_rotary(130, 64))
+    gap = ~covered_mask(rows, 130)
+    assert gap.any() and (k[:, gap] == 7.0).all() and (v[:, gap] == 7.0).all()
+
+
+@pytest.mark.parametrize("paired", [False, True], ids=["cos-sin", "pairs"])
+def test_rotary_pairs_rotate_exactly_as_dense_cos_sin(paired):
+    storage = random_storage(VARIANTS["default-trits-e4m3"], tokens=80)
+    cos, sin = random_rotary(90, 64)
+    rotary = rotary_pairs(cos, sin) if paired else (cos, sin)
+    segments = dq.segment_table([(0, 80, 5, 1)])
+    out = assert_bit_identical(storage, segments, 90, rotary)
+    dense = torch.full_like(out, 7.0)
+    reference(storage, segments.to(DEVICE), dense, (cos, sin))
+    assert torch.equal(out, dense)  # both forms give the same bytes
+
+
+def test_a_tile_boundary_and_a_partial_last_block_inside_one_long_segment():
+    """TILE_TOKENS + 37 tokens: a full tile (BLOCK_T blocks) then a tile whose last block is shifted back."""
+    n = TILE_TOKENS + 37
+    storage = random_storage(VARIANTS["default-trits-e4m3"], batch=1, tokens=n + 3, heads=2, slots=1)
+    assert_bit_identical(storage, dq.segment_table([(3, n, 1, 0)]), n + 9, random_rotary(n + 9, 64))
+
+
+@pytest.mark.parametrize("heads, head_dim, group", [(5, 96, 32), (1, 48, 16), (3, 40, 8)])
+def test_odd_head_counts_and_head_dims_that_are_not_powers_of_two(heads, head_dim, group):
+    config = dq.QVGConfig(num_centroids=4, group_size=group, stages=2)
+    keys = random_storage(config, tokens=70, heads=heads, head_dim=head_dim, seed=3)
+    values = random_storage(config, tokens=70, heads=heads, head_dim=head_dim, seed=4)
+    rows = [(0, 40, 30, 0), (40, 30, 0, 2)]
+    assert_pair_bit_identical(keys, values, dq.segment_table(rows), 75, random_rotary(75, head_dim))
+
+
+@pytest.mark.parametrize("group", [3, 6, 12])
+def test_groups_that_split_runs_of_eight_channels(group):
+    """Runs of 1, 2 and 4 channels (the largest power of two dividing the group), trit and 2-bit packings."""
+    for config in (dq.QVGConfig(num_centroids=3, group_size=group), dq.QVGConfig(num_centroids=3, group_size=group, packing="bits")):
+        storage = random_storage(config, tokens=40, head_dim=48)
+        assert window.run_layout(config, 48)[0] == min(8, group & -group)
+        assert_bit_identical(storage, dq.segment_table([(0, 36, 2, 1), (36, 4, 40, 0)]), 44, random_rotary(44, 48))
+
+
+def test_a_240_frame_window_of_79_segments_in_any_order():
+    """The cache's longest window (79 packed chunks, here 36 tokens each, 1 head), segments shuffled and placed
+    back to front: one tile per segment, each program finds its segment without searching the table."""
+    chunk, count = 36, 79
+    config = VARIANTS["default-trits-e4m3"]
+    keys = random_storage(config, batch=1, tokens=chunk * count, heads=1, slots=count, seed=5)
+    values = random_storage(config, batch=1, tokens=chunk * count, heads=1, slots=count, seed=6)
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(0)).tolist()
+    rows = [(i * chunk, chunk, (count - 1 - k) * chunk + 4, i) for k, i in enumerate(order)]
+    segments = dq.segment_table(rows)
+    assert len(segments.tiles) == count
+    assert_pair_bit_identical(keys, values, segments, chunk * (count + 1), random_rotary(chunk * (count + 1), 64))
+
+
+def test_overlapping_long_segments_resolve_to_the_later_rows():
+    storage = random_storage(VARIANTS["int4-bits-bf16-2stages"], tokens=200)
+    rows = [(0, 150, 0, 0), (150, 40, 60, 1), (10, 50, 130, 2), (100, 3, 0, 1)]  # inner, tail and head overlaps
+    assert_bit_identical(storage, dq.segment_table(rows), 190, random_rotary(190, 64))
+
+
+def test_pairs_of_different_layouts_take_one_launch_each():
+    """Keys and values whose strides differ cannot share a launch; the result is the same."""
+    config = VARIANTS["asym-int2-fp16scales-headscale"]
+    keys = random_storage(config, tokens=50, seed=7)
+    dense = random_storage(config, tokens=50, seed=8)
+    values = QVGPacked(**{**dense.__dict__, "codes": dense.codes.transpose(1, 2).contiguous().transpose(1, 2)})
+    launches = []
+    real = window._window_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    window._window_kernel = Spy()
+    try:
+        assert_pair_bit_identical(keys, values, dq.segment_table([(0, 50, 0, 1)]), 50, random_rotary(50, 64))
+        assert [g[2] for g in launches] == [2, 2]  # batch 2 x one role, twice
+        launches.clear()
+        assert_pair_bit_identical(keys, dense, dq.segment_table([(0, 50, 0, 1)]), 50, random_rotary(50, 64))
+        assert [g[2] for g in launches] == [4]  # batch 2 x both roles, once
+    finally:
+        window._window_kernel = real
+
+
+def test_every_codec_decodes_a_pair_as_two_calls():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 24, 2, 64, generator=g)
+    cos, sin = random_rotary(30, 64)
+    cos, sin = cos.cpu(), sin.cpu()
+    table = dq.segment_table([(0, 24, 3, 0)])
+    for config in (dq.BF16Config(), dq.KIVIConfig(key_group_tokens=8), dq.QVGConfig(num_centroids=4)):
+        kv = [config.quantize(x, role=r) for r in ("key", "value")]
+        pair = [torch.zeros(1, 30, 2, 64) for _ in range(2)]
+        single = [torch.zeros(1, 30, 2, 64) for _ in range(2)]
+        with backend("torch"):
+            config.dequantize_pair_into(kv[0], kv[1], table, *pair, rotary_pairs(cos, sin))
+            config.dequantize_into(kv[0], table, single[0], (cos, sin))
+            config.dequantize_into(kv[1], table, single[1])
+        assert torch.equal(pair[0], single[0]) and torch.equal(pair[1], single[1]) and pair[0].abs().sum() > 0
+
+
+def test_pair_calls_are_checked_before_either_workspace_is_written():
+    config = VARIANTS["default-trits-e4m3"]
+    keys, values = random_storage(config), random_storage(config)
+    good = torch.full((2, 14, 3, 64), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    bad = torch.full((2, 14, 3, 32), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    with backend("triton"):
+        with pytest.raises(ValueError, match="out must have shape"):
+            config.dequantize_pair_into(keys, values, SEGMENTS.to(DEVICE), good, bad)
+        with pytest.raises(ValueError, match="rotary cos/sin"):
+            config.dequantize_pair_into(keys, values, SEGMENTS.to(DEVICE), good, good.clone(), random_rotary(9, 64))
+    assert (good == 7.0).all()
+
+
+def test_the_kernel_refuses_what_it_cannot_decode():
+    config = VARIANTS["default-trits-e4m3"]
+    storage = random_storage(config, tokens=20)
+    out = torch.full((2, 20, 3, 64), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    table = dq.segment_table([(0, 20, 0, 0)], DEVICE)
+    cos, sin = random_rotary(20, 64)
+    with pytest.raises(ValueError, match="float32 cos/sin"):
+        triton_dequantize(storage, table, out, (cos.double(), sin.double()))
+    with pytest.raises(ValueError, match="float32 cos/sin"):
+        triton_dequantize(storage, table, out, RotaryPairs(cos.half()))
+    with pytest.raises(ValueError, match="at most 65535"):
+        triton_dequantize(storage, dq.segment_table([(0, 65536 * TILE_TOKENS, 0, 0)], DEVICE), out)
+    wide = torch.empty_strided((1, 2, 1, 64), (64, 2**23 + 64, 64, 1), dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match="more than 2\\^31"):
+        triton_dequantize(storage, table, wide)
+    odd = random_storage(dq.QVGConfig(num_centroids=4, group_size=3), tokens=20, head_dim=9)
+    with pytest.raises(ValueError, match="even head_dim"):
+        triton_dequantize(odd, table, torch.zeros(2, 20, 3, 9, dtype=torch.bfloat16, device=DEVICE), random_rotary(20, 8))
+    assert (out == 7.0).all()

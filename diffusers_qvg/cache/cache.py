@@ -518,7 +518,7 @@ class QVGCache:
         if self.geometry is not None:
             B, H, D, _, _ = self.geometry
             per_token = 2 * B * H * D * 2 * len(self.layers)  # K and V, 2 bytes each, every layer
-        rotary = 0 if self.planned is None else sum(t.numel() * t.element_size() for t in self.planned[1].rotary)
+        rotary = 0 if self.planned is None else self.planned[1].rotary_nbytes
         return MemoryReport(
             sink=sink,
             packed=packed,

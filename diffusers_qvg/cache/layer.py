@@ -84,9 +84,8 @@ class LayerCache:
         reads = [(cfg.sink_storage, self.sink, plan.sink), (cfg.dense, self.ring, plan.recent)]
         reads += [(cfg.storage, self.blocks[b], table) for b, table in plan.packed]
         for codec, kv, table in reads:
-            if table is not None:
-                codec.dequantize_into(kv[0], table, keys, rotary=rotary)
-                codec.dequantize_into(kv[1], table, values)
+            if table is not None:  # K and V of a storage in one call (one launch for QVG's kernel)
+                codec.dequantize_pair_into(kv[0], kv[1], table, keys, values, rotary=rotary)
         end = plan.current_start + value.shape[1]
         keys[:, plan.current_start : end].copy_(rotated_key)
         values[:, plan.current_start : end].copy_(value)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..codecs import SegmentTable, segment_table
+from ..rotary import RotaryPairs, rotary_pairs
 from .layout import ChunkLayout
 
 
@@ -21,8 +22,10 @@ class ReadPlan:
     The tables are built here, once per layout, with their rows on the host and on the device: every
     layer's reads validate against the host rows and never synchronise the device.
 
-    ``rotary`` is the window's ``(cos, sin)`` [1, W, 1, D]; ``current_rotary`` the current chunk's rows of it,
-    in tensors of their own (a compiled forward takes them as inputs of a fixed shape).
+    ``rotary`` is the window's RoPE as :class:`~diffusers_qvg.rotary.RotaryPairs` (what every layer's key read
+    streams: half the bytes of ``(cos, sin)``); ``current_rotary`` is the current chunk's dense ``(cos, sin)``
+    [1, n, 1, D], what the attention processor rotates the chunk's queries and keys with.
+    A compiled forward takes ``current_rotary`` as inputs of a fixed shape.
     """
 
     sink: SegmentTable | None
@@ -31,8 +34,12 @@ class ReadPlan:
     current_start: int
     current_tokens: int
     window_tokens: int
-    rotary: tuple[torch.Tensor, torch.Tensor]
+    rotary: RotaryPairs
     current_rotary: tuple[torch.Tensor, torch.Tensor]
+
+    @property
+    def rotary_nbytes(self) -> int:
+        return self.rotary.nbytes + sum(t.numel() * t.element_size() for t in self.current_rotary)
 
 
 def window_positions(layout: ChunkLayout, table_frames: int) -> list[int]:
@@ -100,6 +107,7 @@ def build_read_plan(
         current_start=start,
         current_tokens=current.tokens,
         window_tokens=dst,
-        rotary=rotary,
+        rotary=rotary_pairs(*rotary),
+        # A copy of its own (the dense window tables can go), contiguous: a compiled forward takes it as an input
         current_rotary=tuple(t[:, start:dst].clone(memory_format=torch.contiguous_format) for t in rotary),
     )

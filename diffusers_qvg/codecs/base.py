@@ -18,6 +18,7 @@ from typing import ClassVar, Iterable, Literal, Sequence
 
 import torch
 
+from ..rotary import Rotary, rotary_tensors
 from .status import WriteStatus
 
 Role = Literal["key", "value"]
@@ -27,6 +28,8 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SRC_START, LENGTH, DST_START, SLOT = range(4)
 Row = tuple[int, int, int, int]
 INT32_MAX = 2**31 - 1
+# The most destination tokens one tile of SegmentTable.tiles spans (a kernel program's share of a table).
+TILE_TOKENS = 256
 
 
 def checked_rows(rows: Iterable[Sequence[int]]) -> tuple[Row, ...]:
@@ -45,14 +48,52 @@ def checked_rows(rows: Iterable[Sequence[int]]) -> tuple[Row, ...]:
     return tuple(checked)
 
 
+def disjoint_pieces(rows: Sequence[Row]) -> list[Row]:
+    """``rows`` as disjoint destination ranges, each token taken from the last row that writes it (the order
+    in which decoders copy rows: later rows win), sorted by destination. Same rows format; O(rows^2)."""
+    cuts = sorted({r[DST_START] for r in rows} | {r[DST_START] + r[LENGTH] for r in rows})
+    pieces: list[Row] = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        last = next((r for r in reversed(rows) if r[DST_START] <= lo and hi <= r[DST_START] + r[LENGTH]), None)
+        if last is None:
+            continue  # a gap: no row writes these tokens
+        src = last[SRC_START] + lo - last[DST_START]
+        prev = pieces[-1] if pieces else None
+        if prev and prev[DST_START] + prev[LENGTH] == lo and prev[SLOT] == last[SLOT] and prev[SRC_START] + prev[LENGTH] == src:
+            pieces[-1] = (prev[SRC_START], prev[LENGTH] + hi - lo, prev[DST_START], prev[SLOT])
+        else:
+            pieces.append((src, hi - lo, lo, last[SLOT]))
+    return pieces
+
+
+def tile_rows(rows: Sequence[Row], tile_tokens: int = TILE_TOKENS) -> list[tuple[int, int, int, int]]:
+    """The table's destination tokens cut into tiles ``(src_start, dst_start, tokens, slot)`` of at most
+    ``tile_tokens`` tokens, disjoint and each inside one row's range (see :func:`disjoint_pieces`)."""
+    tiles = []
+    for src, n, dst, slot in disjoint_pieces(rows):
+        for start in range(0, n, tile_tokens):
+            tiles.append((src + start, dst + start, min(tile_tokens, n - start), slot))
+    return tiles
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``; on CUDA from pinned memory without blocking (no sync)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True, eq=False)  # identity equality: tensors have no single truth value
 class SegmentTable:
     """Which token ranges of a storage land where in a workspace, validated once on the host.
 
     ``rows`` are the host copy every check and every PyTorch decoder reads; ``tensor`` is the same rows as
-    an int32 [num_segments, 4] tensor on the storage's device, read only by kernels. So decoding a table
-    never reads device memory on the host (no device sync): build tables with :func:`segment_table` once
-    per layout and reuse them. ``tensor`` must hold ``rows``; :func:`segment_table` guarantees it.
+    an int32 [num_segments, 4] tensor on the storage's device. ``tiles`` (int32 [num_tiles, 4] on the same
+    device, rows ``(src_start, dst_start, tokens, slot)``) is the work list kernels launch over: the written
+    tokens cut into disjoint runs of at most ``TILE_TOKENS``, later rows already winning where rows overlap,
+    so a program reads its tile once (no search) and no program covers an unwritten token. Both are built
+    here, once per table, so decoding a table never reads device memory on the host (no device sync):
+    build tables with :func:`segment_table` once per layout and reuse them. ``tensor`` must hold ``rows``.
     """
 
     rows: tuple[Row, ...]
@@ -60,6 +101,7 @@ class SegmentTable:
     src_end: int = field(init=False)  # one past the last storage token read
     dst_end: int = field(init=False)  # one past the last workspace token written
     slot_end: int = field(init=False)  # one past the largest slot named
+    tiles: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         rows = checked_rows(self.rows)
@@ -72,6 +114,8 @@ class SegmentTable:
         object.__setattr__(self, "src_end", max((r[SRC_START] + r[LENGTH] for r in rows), default=0))
         object.__setattr__(self, "dst_end", max((r[DST_START] + r[LENGTH] for r in rows), default=0))
         object.__setattr__(self, "slot_end", max((r[SLOT] + 1 for r in rows), default=0))
+        tiles = torch.tensor(tile_rows(rows), dtype=torch.int32).reshape(-1, 4)
+        object.__setattr__(self, "tiles", _to_device(tiles, self.tensor.device))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -87,10 +131,7 @@ def segment_table(rows: Iterable[Sequence[int]], device: torch.device | str = "c
     """
     rows = checked_rows(rows)
     host = torch.tensor(rows, dtype=torch.int32).reshape(-1, 4)
-    device = torch.device(device)
-    if device.type == "cuda":
-        return SegmentTable(rows, host.pin_memory().to(device, non_blocking=True))
-    return SegmentTable(rows, host.to(device))
+    return SegmentTable(rows, _to_device(host, torch.device(device)))
 
 
 @dataclass
@@ -235,15 +276,32 @@ class CodecConfig(ABC):
         storage: Packed,
         segments: SegmentTable,
         out: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary: Rotary | None = None,
     ) -> None:
         """Decode every row of ``segments`` (see :func:`segment_table`) into ``out`` [B, W, H, D].
 
-        With ``rotary=(cos, sin)`` (each [1, W, 1, D], aligned with ``out``'s tokens) the decoded tokens are
-        rotated by Wan's RoPE (:func:`diffusers_qvg.rotary.apply_wan_rotary`) before the cast to ``out``'s
-        dtype: keys stored before RoPE come out as the attention expects them. Validation reads only the
-        table's host rows, so a call never synchronises the device.
+        With ``rotary`` (``(cos, sin)``, each [1, W, 1, D], or a :class:`~diffusers_qvg.rotary.RotaryPairs`,
+        aligned with ``out``'s tokens) the decoded tokens are rotated by Wan's RoPE
+        (:func:`diffusers_qvg.rotary.rotate`) before the cast to ``out``'s dtype: keys stored before RoPE come
+        out as the attention expects them. Validation reads only the table's host rows, so a call never
+        synchronises the device.
         """
+
+    def dequantize_pair_into(
+        self,
+        key_storage: Packed,
+        value_storage: Packed,
+        segments: SegmentTable,
+        key_out: torch.Tensor,
+        value_out: torch.Tensor,
+        rotary: Rotary | None = None,
+    ) -> None:
+        """Decode one table of a layer's keys and values: :meth:`dequantize_into` for each, ``rotary`` on the keys
+        only. Both calls are validated before either writes. Formats that decode both in one kernel override it."""
+        self.check_segments(key_storage, segments, key_out, rotary)
+        self.check_segments(value_storage, segments, value_out)
+        self.dequantize_into(key_storage, segments, key_out, rotary)
+        self.dequantize_into(value_storage, segments, value_out)
 
     def check_storage_fits(self, storage: Packed, x: torch.Tensor, token_start: int, slot: int) -> None:
         """Validate a ``quantize_into`` call's layout before anything is written (no device reads; the
@@ -275,7 +333,7 @@ class CodecConfig(ABC):
         storage: Packed,
         segments: SegmentTable,
         out: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        rotary: Rotary | None = None,
     ) -> None:
         """Validate a ``dequantize_into`` call before anything is written, from the table's host rows only."""
         if not isinstance(segments, SegmentTable):
@@ -290,9 +348,11 @@ class CodecConfig(ABC):
             raise ValueError(f"out has dtype {out.dtype} but the storage decodes to {storage.dtype}")
         if rotary is not None:
             W = out.shape[1]
-            for t in rotary:
+            for t in rotary_tensors(rotary):
                 if t.dim() != 4 or t.shape[1] != W or t.shape[-1] != D:
-                    raise ValueError(f"rotary cos/sin must have shape [1, {W}, 1, {D}] to match out, got {tuple(t.shape)}")
+                    raise ValueError(
+                        f"rotary cos/sin (or a RotaryPairs table) must have shape [1, {W}, 1, {D}] to match out, got {tuple(t.shape)}"
+                    )
         if segments.src_end > T:
             raise ValueError(f"a segment reads tokens up to {segments.src_end}, past the storage capacity {T}")
         if segments.dst_end > out.shape[1]:

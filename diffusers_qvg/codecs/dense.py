@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from ..rotary import apply_wan_rotary, compute_dtype_for
+from ..rotary import compute_dtype_for, rotary_slice, rotate
 from .base import CodecConfig, Packed, Role, SegmentTable
 from .status import WriteStatus
 
@@ -58,6 +58,5 @@ class BF16Config(CodecConfig):
         for src, n, dst, _ in segments.rows:
             tokens = storage.values[:, src : src + n]
             if rotary is not None:
-                cos, sin = (t[:, dst : dst + n] for t in rotary)
-                tokens = apply_wan_rotary(tokens.to(compute_dtype_for(tokens.dtype)), cos, sin)
+                tokens = rotate(tokens.to(compute_dtype_for(tokens.dtype)), rotary_slice(rotary, dst, dst + n))
             out[:, dst : dst + n].copy_(tokens)

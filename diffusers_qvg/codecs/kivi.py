@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from ..rotary import apply_wan_rotary, compute_dtype_for
+from ..rotary import compute_dtype_for, rotary_slice, rotate
 from .base import CodecConfig, Packed, Role, SegmentTable
 from .groups import MAX_ABS_INPUT, dequantize_groups, quantize_groups
 from .qvg.format import pack_digits, unpack_digits
@@ -150,6 +150,5 @@ class KIVIConfig(CodecConfig):
                 u = u.unflatten(-1, (-1, self.group_size))
             x = dequantize_groups(u, *params, shift, qmax=self.qmax, symmetric=False, dtype=f).flatten(-2)
             if rotary is not None:
-                cos, sin = (t[:, dst : dst + n] for t in rotary)
-                x = apply_wan_rotary(x, cos, sin)
+                x = rotate(x, rotary_slice(rotary, dst, dst + n))
             out[:, dst : dst + n].copy_(x)

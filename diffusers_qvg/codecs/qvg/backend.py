@@ -14,6 +14,7 @@ from typing import Callable, Iterator, Literal, NamedTuple
 
 import torch
 
+from ...rotary import Rotary, rotary_tensors
 from ..base import SegmentTable
 from ..groups import scale_candidates
 from .config import QVGConfig
@@ -50,22 +51,42 @@ def use_triton(device: torch.device, unsupported: str | None) -> bool:
     return device.type == "cuda" and unsupported is None
 
 
-def dequantize_into(
-    storage: QVGPacked,
-    segments: SegmentTable,
-    out: torch.Tensor,
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> None:
-    unsupported = None
+def _decode_unsupported(out: torch.Tensor, rotary: Rotary | None) -> str | None:
+    """Why the Triton decoder cannot take this call, or None."""
     if out.dtype not in _TRITON_DTYPES:
-        unsupported = f"{out.dtype} workspace (bfloat16, float16 or float32 only)"
-    elif rotary is not None and any(t.dtype != torch.float32 for t in rotary):
-        unsupported = "cos/sin that are not float32"
-    if use_triton(out.device, unsupported):
+        return f"{out.dtype} workspace (bfloat16, float16 or float32 only)"
+    if rotary is not None and any(t.dtype != torch.float32 for t in rotary_tensors(rotary)):
+        return "cos/sin that are not float32"
+    return None
+
+
+def dequantize_into(storage: QVGPacked, segments: SegmentTable, out: torch.Tensor, rotary: Rotary | None = None) -> None:
+    if use_triton(out.device, _decode_unsupported(out, rotary)):
         from .triton.dequantize import dequantize_into as run
     else:
         from .decode import dequantize_into as run
     run(storage, segments, out, rotary)
+
+
+def dequantize_pair_into(
+    key_storage: QVGPacked,
+    value_storage: QVGPacked,
+    segments: SegmentTable,
+    key_out: torch.Tensor,
+    value_out: torch.Tensor,
+    rotary: Rotary | None = None,
+) -> None:
+    """Keys (rotated) and values: one Triton launch, or the reference twice."""
+    unsupported = _decode_unsupported(key_out, rotary) or _decode_unsupported(value_out, None)
+    if use_triton(key_out.device, unsupported):
+        from .triton.dequantize import dequantize_pair_into
+
+        dequantize_pair_into(key_storage, value_storage, segments, key_out, value_out, rotary)
+    else:
+        from .decode import dequantize_into as run
+
+        run(key_storage, segments, key_out, rotary)
+        run(value_storage, segments, value_out)
 
 
 class EncoderOps(NamedTuple):

@@ -213,3 +213,14 @@ class QVGConfig(CodecConfig):
 
         self.check_segments(storage, segments, out, rotary)
         dequantize_into(storage, segments, out, rotary)
+
+    def dequantize_pair_into(
+        self, key_storage: Packed, value_storage: Packed, segments: SegmentTable, key_out: torch.Tensor,
+        value_out: torch.Tensor, rotary=None,
+    ) -> None:
+        """Keys (rotated) and values of one table in one Triton launch (see :meth:`CodecConfig.dequantize_pair_into`)."""
+        from .backend import dequantize_pair_into
+
+        self.check_segments(key_storage, segments, key_out, rotary)
+        self.check_segments(value_storage, segments, value_out)
+        dequantize_pair_into(key_storage, value_storage, segments, key_out, value_out, rotary)

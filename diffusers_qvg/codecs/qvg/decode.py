@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ...rotary import apply_wan_rotary, compute_dtype_for
+from ...rotary import Rotary, compute_dtype_for, rotary_slice, rotate
 from ..base import SegmentTable
 from ..groups import dequantize_groups
 from .format import QVGPacked, unpack_codes
@@ -52,12 +52,11 @@ def dequantize_into(
     storage: QVGPacked,
     segments: SegmentTable,
     out: torch.Tensor,
-    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotary: Rotary | None = None,
 ) -> None:
     """Decode each segment in turn from the table's host rows (later rows win where destinations overlap)."""
     for src, n, dst, slot in segments.rows:
         x = decode_tokens(storage, src, n, slot)
         if rotary is not None:
-            cos, sin = (t[:, dst : dst + n] for t in rotary)
-            x = apply_wan_rotary(x, cos, sin)
+            x = rotate(x, rotary_slice(rotary, dst, dst + n))
         out[:, dst : dst + n].copy_(x)
