@@ -28,7 +28,7 @@ def build(model_cls, dtype: torch.dtype, seed: int, **extra):
     forked and seeded here and left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(**TINY_CONFIG, **extra)
+        model = model_cls(**{**TINY_CONFIG, **extra})
     return model.to(dtype).eval()
 
 

@@ -47,7 +47,8 @@ def draw_for_heads(
     """``draw(shape)`` for the ``P = batch * heads.count`` problems, [P, *size]: drawn as
     [batch, heads.total, *size] and this call's heads kept, so every rank of a head-sharded cache draws what
     one process holding all heads draws, and advances its generator as far. A generator's numbers do not
-    depend on the shape they fill, only on how many are drawn, so for one process this is the draw of
+    depend on the shape they fill, only on how many are drawn (tested on the CPU; torch's CUDA Philox kernels
+    index their stream by element as well, not run on a GPU here), so for one process this is the draw of
     ``(P, *size)`` exactly (``heads=None`` draws just that)."""
     if heads is None:
         return draw((P, *size))
