@@ -201,6 +201,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
+    if args.ulysses > 1 and args.compile is not None:
+        raise SystemExit("qvg-generate: --compile does not work with --ulysses yet: torch.compile(fullgraph=True) "
+                         "cannot trace diffusers 0.42's context-parallel hooks; drop one of the two")
     embedded = args.model is None
     args.num_frames = args.num_frames or (45 if embedded else 81)
     args.height = args.height or (160 if embedded else 480)

@@ -83,13 +83,13 @@ def stream(model, cache, setup: Setup) -> list[torch.Tensor]:
     return [forward(model, cache, *step) for step in inputs(setup)]
 
 
-def ulysses(model, degree: int | None = None, **kwargs) -> None:
-    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=degree or dist.get_world_size(), **kwargs))
+def ulysses(model) -> None:
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=dist.get_world_size()))
 
 
-def install(setup: Setup, order: str, model=None):
+def install(setup: Setup, order: str):
     """A transformer with the cache and Ulysses over the world, installed in ``order``."""
-    model = wan(setup) if model is None else model
+    model = wan(setup)
     if order == "cp-first":
         ulysses(model)
     cache = dq.enable_qvg(model, setup.storage, **setup.cache_options())
@@ -181,23 +181,27 @@ def check_disable(order: str) -> None:
     """``disable_qvg`` gives back stock processors that keep the parallel config, whichever came first:
     a forward outside the cache is stock Wan's under Ulysses, bitwise the single process's."""
     setup = Setup()
-    single = wan(setup)
-    _, _, x, t = next(inputs(setup))
-    with torch.no_grad():
-        expected = single(x, t, TEXT, return_dict=False)[0]
+    expected = stock_forward(wan(setup))
     model, cache = install(setup, order)
     stream(model, cache, replace(setup, chunks=2))
     dq.disable_qvg(model)
     processors = model.attn_processors.values()
     assert all(type(p).__name__ == "WanAttnProcessor" and p._parallel_config is model._parallel_config for p in processors)
-    with torch.no_grad():
-        assert torch.equal(model(x, t, TEXT, return_dict=False)[0], expected)
+    assert torch.equal(stock_forward(model), expected)
     cache = dq.enable_qvg(model, "bf16", **setup.cache_options())  # and on again: the same video as one process
     assert_equal_outputs(stream(model, cache, setup), reference(setup)[0])
 
 
+def stock_forward(model) -> torch.Tensor:
+    _, _, x, t = next(inputs(Setup()))
+    with torch.no_grad():
+        return model(x, t, TEXT, return_dict=False)[0]
+
+
 def check_shared_processor(order: str) -> None:
-    """One processor for every layer (``set_attn_processor`` + ``cache.attach``), before or after Ulysses."""
+    """One processor for every layer (``set_attn_processor`` + ``cache.attach``), before or after Ulysses: the
+    cached stream, a forward outside the cache (the processor set after ``enable_parallelism`` gets its config
+    from ``attach``) and ``disable_qvg`` all match one process."""
     setup = Setup(commit="final-pass")
     model = wan(setup)
     if order == "cp-first":
@@ -209,6 +213,10 @@ def check_shared_processor(order: str) -> None:
         ulysses(model)
     assert_equal_outputs(stream(model, cache, setup), reference(setup)[0])
     assert_head_shard_of(cache, reference(setup)[1])
+    expected = stock_forward(wan(setup))
+    assert torch.equal(stock_forward(model), expected)
+    dq.disable_qvg(model)
+    assert torch.equal(stock_forward(model), expected)
 
 
 def poison_keys(model, head: int, head_dim: int):

@@ -242,7 +242,8 @@ class CodecConfig(ABC):
 
         ``warm_start``/``warm_slot`` name a slot of earlier storage whose parameters (QVG's centroids)
         seed this one; formats without such parameters ignore them. ``heads``: which of the model's heads
-        ``x`` holds (``None``: all of them); formats without per-head random draws ignore it. Implementations validate with
+        ``x`` holds (``None``: all of them); formats without per-head random draws ignore it.
+        Implementations validate with
         :meth:`check_storage_fits` and their own layout rules (raising at once), then the values with
         :meth:`check_write`: without ``status`` on the host (the one sync), with it on the device, every
         store predicated on ``status.ok()`` so that a failed write changes nothing (``what`` names the
