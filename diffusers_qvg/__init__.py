@@ -16,6 +16,7 @@ from .codecs import (
 )
 from .installer import disable_qvg, enable_qvg
 from .processors import QVGSkyReelsV2AttnProcessor, QVGWanAttnProcessor, processors_for
+from .ulysses import VideoGroup, enable_ulysses
 
 __version__ = "0.1.0"
 
@@ -33,9 +34,11 @@ __all__ = [
     "QVGSkyReelsV2AttnProcessor",
     "QVGWanAttnProcessor",
     "SegmentTable",
+    "VideoGroup",
     "dequantize",
     "disable_qvg",
     "enable_qvg",
+    "enable_ulysses",
     "processors_for",
     "quantize",
     "resolve_codec",

@@ -3,7 +3,8 @@
 With no ``--model`` it runs an embedded tiny causal Wan with seeded *random* weights on the CPU (a real MP4
 of noise-like frames in seconds), to show the whole path without a download. Under ``accelerate launch``
 (or ``torchrun``) the prompts of ``--prompts-file`` are split across processes, each with its own cache and
-its own, rank-tagged output files.
+its own, rank-tagged output files; with ``--ulysses N`` every video runs on N processes (diffusers' Ulysses
+context parallelism, each rank caching 1/N of the heads), M processes making M/N videos at a time.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ EXAMPLES = """examples:
   qvg-generate --prompt "a corgi surfing a wave at sunset" --model checkpoints/self_forcing_dmd.pt \\
       --base Wan2.1-T2V-1.3B-Diffusers --num-frames 81 --kv-cache qvg-int2 --output corgi.mp4
 
-  # a prompts file split across 8 GPUs, one video per line in videos/
+  # a prompts file split across 8 GPUs, one video per line in videos/ (--ulysses 4: each video on 4 GPUs)
   accelerate launch --num_processes 8 -m diffusers_qvg.cli --prompts-file prompts.txt \\
       --model checkpoints/self_forcing_dmd.pt --base Wan2.1-T2V-1.3B-Diffusers --output videos/
 """
@@ -79,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "compile (minutes for a 30-layer model on a GPU), later chunks and prompts reuse the graphs")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                         help="weights dtype of a real model (the embedded one is float32)")
+    parser.add_argument("--ulysses", type=int, default=1, metavar="N",
+                        help="processes per video (under torchrun / accelerate launch): diffusers' Ulysses context "
+                        "parallelism splits each chunk's tokens across N GPUs and each caches 1/N of the heads; "
+                        "M processes make M/N videos at a time (N must divide M and the model's heads)")
     return parser
 
 
@@ -126,8 +131,18 @@ def output_paths(args: argparse.Namespace, indices: list[int], prompts: list[str
     return [os.path.join(folder, f"{i:04d}-rank{rank}-{slug}.mp4") for i, slug in zip(indices, slugs)]
 
 
-def generate_one(pipe, prompt: str, path: str, args: argparse.Namespace, device: torch.device) -> VideoStats:
-    """Stream one video chunk by chunk (timing each chunk), write it as MP4, return its figures."""
+def share(items: list, index: int, count: int) -> list:
+    """Part ``index`` of ``items`` split into ``count`` contiguous parts, the first ones one longer
+    (``PartialState.split_between_processes``'s split, for groups of processes)."""
+    per, extra = divmod(len(items), count)
+    start = index * per + min(index, extra)
+    return items[start : start + per + (index < extra)]
+
+
+def generate_one(pipe, prompt: str, path: str, args: argparse.Namespace, device: torch.device,
+                 write: bool = True) -> VideoStats:
+    """Stream one video chunk by chunk (timing each chunk), write it as MP4 (unless ``write`` is False: the
+    other ranks of a Ulysses group, which skip decoding too), return its figures (KV bytes of this rank)."""
     from diffusers.utils import export_to_video
     import numpy as np
 
@@ -138,7 +153,7 @@ def generate_one(pipe, prompt: str, path: str, args: argparse.Namespace, device:
         prompt, height=args.height, width=args.width, num_frames=args.num_frames, kv_cache=args.kv_cache,
         window_frames=args.window_frames, sink_frames=args.sink_frames,
         keep_recent_chunks=args.keep_recent_chunks, guidance_scale=args.guidance_scale,
-        generator=torch.Generator().manual_seed(args.seed),
+        generator=torch.Generator().manual_seed(args.seed), output_type="np" if write else "latent",
     )
     chunks, seconds = [], []
     with stream:
@@ -149,10 +164,11 @@ def generate_one(pipe, prompt: str, path: str, args: argparse.Namespace, device:
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
         report = stream.cache.memory_report()
-    frames = np.concatenate(chunks, axis=1)[0]
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    export_to_video(list(frames), path, fps=args.fps)
+    if write:
+        frames = np.concatenate(chunks, axis=1)[0]
+        if os.path.dirname(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        export_to_video(list(frames), path, fps=args.fps)
     return VideoStats(
         name=os.path.basename(path),
         chunks=len(seconds),
@@ -163,10 +179,12 @@ def generate_one(pipe, prompt: str, path: str, args: argparse.Namespace, device:
     )
 
 
-def format_table(rows: list[VideoStats], kv_cache: str) -> str:
+def format_table(rows: list[VideoStats], kv_cache: str, ranks: int = 1) -> str:
+    """The closing table; with ``ranks`` > 1 (Ulysses) the byte columns are one rank's (1/ranks of the heads)."""
     mib = 2**20
-    header = f"{'video':<40} {'chunks':>6} {'KV ' + kv_cache + ' MiB':>16} {'BF16 MiB':>10} {'ratio':>6} " \
-             f"{'peak GPU MiB':>12} {'s/chunk':>8}"
+    unit = "MiB" if ranks == 1 else "MiB/rank"
+    header = f"{'video':<40} {'chunks':>6} {'KV ' + kv_cache + ' ' + unit:>16} {'BF16 ' + unit:>10} {'ratio':>6} " \
+             f"{'peak GPU ' + unit:>12} {'s/chunk':>8}"
     lines = [header, "-" * len(header)]
     for r in rows:
         ratio = r.bf16_bytes / r.kv_bytes if r.kv_bytes else float("nan")
@@ -179,32 +197,45 @@ def format_table(rows: list[VideoStats], kv_cache: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     from accelerate import PartialState
 
+    from diffusers_qvg import VideoGroup, enable_ulysses
+
     args = build_parser().parse_args(argv)
     prompts = read_prompts(args)
+    if args.ulysses > 1 and args.compile is not None:
+        raise SystemExit("qvg-generate: --compile does not work with --ulysses yet: torch.compile(fullgraph=True) "
+                         "cannot trace diffusers 0.42's context-parallel hooks; drop one of the two")
     embedded = args.model is None
     args.num_frames = args.num_frames or (45 if embedded else 81)
     args.height = args.height or (160 if embedded else 480)
     args.width = args.width or (160 if embedded else 832)
 
-    state = PartialState(cpu=embedded)
-    device = torch.device("cpu") if embedded else state.device
+    cpu = embedded and (args.ulysses == 1 or not torch.cuda.is_available())  # embedded Ulysses: on the GPUs if any
+    state = PartialState(cpu=cpu)
+    device = torch.device("cpu") if cpu else state.device
     if embedded and state.is_main_process:
         print(TINY_NOTICE, flush=True)
     pipe = load_pipeline(args.model, args.base, getattr(torch, args.dtype)).to(device)
     pipe.set_progress_bar_config(disable=not state.is_local_main_process or state.num_processes > 1)
+    if args.ulysses > 1:
+        group = enable_ulysses(pipe.transformer, args.ulysses)
+    else:
+        group = VideoGroup(index=state.process_index, count=state.num_processes, rank=0, degree=1)
     if args.compile is not None:
         pipe.compile_transformer(mode=None if args.compile == "default" else args.compile)
 
-    with state.split_between_processes(list(enumerate(prompts))) as mine:
-        indices = [i for i, _ in mine]
-        mine_prompts = [p for _, p in mine]
-        paths = output_paths(args, indices, mine_prompts, state.process_index)
-        rows = [generate_one(pipe, p, path, args, device) for p, path in zip(mine_prompts, paths)]
-    ranked = state.num_processes > 1  # tag lines only where several processes interleave them
+    mine = share(list(enumerate(prompts)), group.index, group.count)
+    indices = [i for i, _ in mine]
+    mine_prompts = [p for _, p in mine]
+    paths = output_paths(args, indices, mine_prompts, state.process_index)
+    leader = group.rank == 0  # writes and prints its group's videos
+    rows = [generate_one(pipe, p, path, args, device, write=leader) for p, path in zip(mine_prompts, paths)]
+    if not leader:
+        return
+    ranked = group.count > 1  # tag lines only where several processes interleave them
     tag = f"[rank {state.process_index}] " if ranked else ""
     for path in paths:
         print(f"{tag}wrote {path}", flush=True)
-    table = format_table(rows, args.kv_cache)
+    table = format_table(rows, args.kv_cache, group.degree)
     print(f"{tag.rstrip()}\n{table}" if ranked else table, flush=True)
     if embedded and state.is_main_process:
         print("(toy model, random weights: at 300 tokens per chunk QVG's centroid tables and the preallocated "

@@ -3,6 +3,10 @@
 Installing swaps the self-attention processors (see :func:`processors_for`) and registers the RoPE
 frame-offset hook on ``transformer.rope``; the hook also records the processors it replaced, so
 ``disable_qvg`` restores exactly what was there.
+
+Both work before or after diffusers' ``transformer.enable_parallelism(config=ContextParallelConfig(
+ulysses_degree=N))``: the cached processors keep (or receive) the transformer's parallel config, and so do
+the processors ``disable_qvg`` puts back.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import torch
 from diffusers.hooks import HookRegistry
 
 from .cache import CacheConfig, QVGCache
+from .cache.shard import head_shard
 from .codecs import CodecConfig
 from .processors import processors_for
 from .processors.select import self_attention_names, stock_processor
@@ -80,6 +85,8 @@ def supported_layers(transformer: torch.nn.Module) -> list[str]:
             "supports Wan-layout transformers (WanTransformer3DModel, SkyReelsV2Transformer3DModel)"
         )
     refuse_block_skipping(transformer)
+    attn = transformer.get_submodule(names[0])
+    head_shard(getattr(transformer, "_parallel_config", None), attn.heads)  # refuses ring, unified and uneven Ulysses now
     return names
 
 
@@ -101,6 +108,8 @@ def attach_cache(transformer: torch.nn.Module, cache: QVGCache, original_process
     attn = transformer.get_submodule(names[0])
     cache.rope, cache.heads, cache.head_dim = transformer.rope, attn.heads, attn.inner_dim // attn.heads
     cache.guard = lambda: refuse_block_skipping(transformer)
+    cache.parallel = lambda: getattr(transformer, "_parallel_config", None)
+    keep_parallel_config(transformer, transformer.attn_processors)  # processors set by hand have none yet
     add_rope_offset_hook(transformer.rope, cache, original_processors)
 
 
@@ -112,5 +121,22 @@ def disable_qvg(transformer: torch.nn.Module) -> None:
         raise ValueError("diffusers_qvg is not enabled on this transformer; nothing to disable")
     if hook.cache.active:
         raise RuntimeError("disable_qvg inside an active cache.chunk(...) block; leave the block first")
-    transformer.set_attn_processor(dict(hook.original_processors))
+    current = transformer.attn_processors
+    restored = dict(hook.original_processors)
+    for name, processor in restored.items():  # what changed since: set_attention_backend, enable_parallelism
+        for attr in ("_attention_backend", "_parallel_config"):
+            if hasattr(processor, attr) and hasattr(current[name], attr):
+                setattr(processor, attr, getattr(current[name], attr))
+    transformer.set_attn_processor(restored)
     remove_rope_offset_hook(transformer.rope)
+
+
+def keep_parallel_config(transformer: torch.nn.Module, processors: dict) -> None:
+    """Give ``processors`` that take one and have none the transformer's diffusers parallel config, as
+    ``enable_parallelism`` gives every processor it finds."""
+    config = getattr(transformer, "_parallel_config", None)
+    if config is None or config.context_parallel_config is None:
+        return
+    for processor in processors.values():
+        if hasattr(processor, "_parallel_config") and processor._parallel_config is None:
+            processor._parallel_config = config

@@ -15,10 +15,14 @@ which rows meet the KV-ratio target. A setting that fails is recorded with its e
 ``--compile [MODE]`` then compiles the transformer (``pipe.compile_transformer``, fullgraph) and runs every
 setting again after a compiling warm-up: compiled rows are compared with the compiled plain BF16 anchor, the
 eager rows stay beside them for reference. ``--small`` runs the tiny model on the CPU (for tests, no figures).
+``--ulysses N`` under ``torchrun`` runs every video on N ranks (diffusers' Ulysses context parallelism, each
+rank caching 1/N of the heads); rank 0 prints its own bytes and peak memory, and the seconds per chunk of
+its group.
 
     python scripts/bench_e2e.py                      # GPU, bf16 weights
     python scripts/bench_e2e.py --compile            # and compiled rows (torch.compile, inductor)
     python scripts/bench_e2e.py --small             # CPU smoke run
+    torchrun --nproc-per-node 4 scripts/bench_e2e.py --ulysses 4   # one video on 4 GPUs
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
 import statistics
 import time
 
 import torch
+import torch.distributed as dist
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+from diffusers_qvg import enable_ulysses
 
 from diffusers_qvg.pipelines import (
     QVGCausalWanPipeline,
@@ -94,6 +102,7 @@ def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, te
         keys_before_rope=keys_before_rope,
         keep_recent_chunks=keep,
         compiled=pipe._keep_cache,
+        ulysses=args.ulysses,
         latent_frames=latent_frames,
         chunks=len(seconds),
         seconds_per_chunk=statistics.median(seconds),
@@ -111,7 +120,8 @@ def guarded_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args
     except Exception as error:
         storage, keys_before_rope, keep = setting
         return dict(storage=storage, keys_before_rope=keys_before_rope, keep_recent_chunks=keep,
-                    compiled=pipe._keep_cache, latent_frames=latent_frames, error=f"{type(error).__name__}: {error}")
+                    compiled=pipe._keep_cache, ulysses=args.ulysses, latent_frames=latent_frames,
+                    error=f"{type(error).__name__}: {error}")
 
 
 def is_anchor(row: dict) -> bool:
@@ -174,13 +184,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--compile", nargs="?", const="default", default=None,
                         help="then compile the transformer with this torch.compile mode and run every setting again")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--ulysses", type=int, default=1, metavar="N",
+                        help="ranks per video under torchrun (Ulysses context parallelism; bytes are per rank)")
     args = parser.parse_args(argv)
     args.frames = args.frames or ([9] if args.small else [21, 42])
     args.height, args.width = (160, 160) if args.small else (480, 832)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
+    if args.ulysses > 1:
+        if device.type == "cuda":
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
 
     pipe = build_pipeline(args.small, device, dtype)
+    if args.ulysses > 1:
+        enable_ulysses(pipe.transformer, args.ulysses)
     text_dim = pipe.transformer.config.text_dim
     text = torch.randn(1, 512, text_dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
     settings = settings_for(args.storages, args.keep_recent_chunks)
@@ -200,9 +220,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
             guarded_video(pipe, setting, max(args.frames), args, text, device)
         rows += [guarded_video(pipe, setting, f, args, text, device) for f in args.frames for setting in settings]
 
+    if args.ulysses > 1 and dist.get_rank() != 0:
+        return rows
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    ranks = f", Ulysses over {args.ulysses} ranks (bytes and peak memory per rank)" if args.ulysses > 1 else ""
     print(f"bench_e2e on {name}, {'tiny' if args.small else 'Wan2.1-1.3B'} geometry, {args.height}x{args.width}, "
-          f"{dtype}; {TARGETS}")
+          f"{dtype}{ranks}; {TARGETS}")
     print("\n".join(compare(rows)))
     if args.json:
         with open(args.json, "w") as f:

@@ -36,6 +36,11 @@ one clean-context pass each, through this same write path::
 
 A stream longer than the transformer's RoPE table re-bases its window's positions (keys are stored before
 RoPE and rotated as they are read): see :func:`~diffusers_qvg.cache.plan.window_positions`.
+
+Under diffusers' Ulysses context parallelism (``transformer.enable_parallelism(config=ContextParallelConfig(
+ulysses_degree=N))``, before or after ``enable_qvg``) each rank's cache holds its H/N heads (:mod:`.shard`);
+every rank plans the same chunks, and a write refused on one rank is refused on all (the write status is
+agreed over the group on the device).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..codecs import CodecConfig, Packed
+from ..codecs.base import HeadSlice
 from ..codecs.status import WriteStatus
 from ..rope_offset import patch_grid, wan_rope_for_frames
 from ..rotary import compute_dtype_for
@@ -57,6 +63,7 @@ from .layer import LayerCache
 from .layout import ChunkLayout, Move
 from .memory import MemoryReport
 from .plan import ReadPlan, build_read_plan, window_positions
+from .shard import HeadShard, head_shard
 from .workspace import Workspace
 
 
@@ -92,7 +99,8 @@ class QVGCache:
         ``guard`` runs at every :meth:`chunk` (the installer refuses block-skipping caches there).
         ``rope`` (the transformer's ``WanRotaryPosEmbed``), ``heads`` and ``head_dim`` let
         ``chunk(hidden_states=...)`` plan a chunk and size its window before the forward;
-        :func:`~diffusers_qvg.enable_qvg` and :meth:`attach` pass them.
+        :func:`~diffusers_qvg.enable_qvg` and :meth:`attach` pass them, and ``parallel``, which returns the
+        transformer's diffusers ``_parallel_config`` (read at every :meth:`chunk`: Ulysses shards the heads).
         """
         config = CacheConfig() if config is None else config
         if not isinstance(config, CacheConfig):
@@ -106,6 +114,8 @@ class QVGCache:
         self.workspace = Workspace()
         self.guard = guard
         self.rope, self.heads, self.head_dim = rope, heads, head_dim
+        self.parallel: Callable[[], object] | None = None
+        self.shard: HeadShard | None = None  # this rank's heads under Ulysses context parallelism
         self.op_id = ops.register(self)
         self.status: WriteStatus | None = None
         self.active = False  # a bool, not derived from active_start: compiled forwards guard on it
@@ -165,6 +175,7 @@ class QVGCache:
             )
         if self.guard is not None:
             self.guard()
+        self.follow_parallelism()
         self.active, self.active_start, self.active_final, self.plan, self.window = True, start_frame, final, None, None
         self.block_writes, self.block_moved = 0, False
         start_layout, completed = self.layout, False
@@ -175,6 +186,27 @@ class QVGCache:
             completed = True
         finally:
             self.end_chunk(start_frame, completed, start_layout)
+
+    def follow_parallelism(self) -> None:
+        """Take the transformer's current context parallelism (``enable_parallelism`` may come after
+        ``enable_qvg``): refused configurations raise here, on every rank, before the chunk starts."""
+        shard = None if self.parallel is None else head_shard(self.parallel(), self.heads)
+        old = self.shard
+        if (shard is None and old is None) or (shard is not None and old is not None and shard.config is old.config):
+            return
+        if self.geometry is not None:
+            held = "all heads" if old is None else old.describe()
+            now = "no context parallelism" if shard is None else shard.describe()
+            raise ValueError(
+                f"the cache holds {held} of its video but the transformer now runs with {now}; call cache.reset() "
+                "before changing the transformer's parallelism"
+            )
+        self.shard = shard
+
+    @property
+    def head_slice(self) -> HeadSlice | None:
+        """Which of the model's heads this cache holds (``None``: all of them), for the codecs."""
+        return None if self.shard is None else self.shard.head_slice
 
     def end_chunk(self, start_frame: int, completed: bool, start_layout: ChunkLayout) -> None:
         """Close a chunk block: read the device-side write checks once, and settle a clean-context pass.
@@ -242,6 +274,12 @@ class QVGCache:
                 f"the chunk at frame {expected[0]} has {expected[1]} frames but this re-cache pass has {frames}; "
                 "store every chunk again from its own clean latents"
             )
+        if self.shard is not None and (frames * height * width) % self.shard.world:
+            raise ValueError(
+                f"the chunk has {frames * height * width} tokens ({frames} frames of {height}x{width} patches), not "
+                f"divisible by ulysses_degree={self.shard.world}: diffusers splits every chunk's tokens evenly "
+                "across the ranks; pick a resolution or chunk length whose token count it divides"
+            )
         layout, moves = self.layout.plan(self.active_start, frames, height, width)
         if self.geometry is not None:
             B, _, _, _, device = self.geometry
@@ -274,7 +312,8 @@ class QVGCache:
         self.commit = commit
         self.forward_geometry = (hidden_states.shape[0], frames, height, width)
         if self.geometry is None and self.heads is not None:
-            self.set_geometry(hidden_states.shape[0], self.heads, self.head_dim, hidden_states.dtype, hidden_states.device)
+            heads = self.heads if self.shard is None else self.shard.heads
+            self.set_geometry(hidden_states.shape[0], heads, self.head_dim, hidden_states.dtype, hidden_states.device)
         if self.geometry is not None:
             self.reserve_workspace()
             self.window_views()
@@ -468,8 +507,9 @@ class QVGCache:
 
     def set_geometry(self, batch: int, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.geometry = (batch, heads, head_dim, dtype, device)
-        if self.status is None or self.status.device != torch.device(device):
-            self.status = WriteStatus(device)
+        group = None if self.shard is None else self.shard.group
+        if self.status is None or self.status.device != torch.device(device) or self.status.group is not group:
+            self.status = WriteStatus(device, group)
 
     def window_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This forward's K and V windows [B, W, H, D]: views of the front of the shared workspace."""
@@ -506,7 +546,9 @@ class QVGCache:
             for role in ("key", "value")
         )
 
-    def memory_report(self) -> MemoryReport:
+    def memory_report(self, gathered: bool = False) -> MemoryReport:
+        """The cache's bytes by part; under Ulysses, this rank's (its H/N heads), or with ``gathered=True``
+        the sum over the group's ranks (a collective: call it on every rank)."""
         sink = packed = ring = 0
         for layer in self.layers:
             sink += sum(s.nbytes for s in layer.sink or ())
@@ -519,12 +561,8 @@ class QVGCache:
             B, H, D, _, _ = self.geometry
             per_token = 2 * B * H * D * 2 * len(self.layers)  # K and V, 2 bytes each, every layer
         rotary = 0 if self.planned is None else self.planned[1].rotary_nbytes
-        return MemoryReport(
-            sink=sink,
-            packed=packed,
-            recent=ring - current,
-            current=current,
-            workspace=self.workspace.nbytes + rotary,
-            bf16_equivalent=tokens * per_token,
-            cached_tokens=tokens,
-        )
+        parts = [sink, packed, ring - current, current, self.workspace.nbytes + rotary, tokens * per_token]
+        ranks = 1
+        if gathered and self.shard is not None:
+            parts, ranks = self.shard.sum(parts), self.shard.world
+        return MemoryReport(*parts, cached_tokens=tokens, ranks=ranks)

@@ -174,5 +174,6 @@ class LayerCache:
                 warm_slot=0 if warm is None else warm[1],
                 status=owner.status,
                 what=f"layer {self.index}'s {role}s",
+                heads=owner.head_slice,
             )
             owner.block_writes += 1

@@ -15,6 +15,10 @@ class MemoryReport:
     Preallocated capacity counts as resident, so the ratio is honest before the pool fills. Under
     ``commit="final-pass"`` ``current`` is 0: a chunk being denoised lives only in the workspace (its
     tokens still count in ``cached_tokens``, as a BF16 cache stores them), so read the ratio between chunks.
+
+    Under Ulysses context parallelism a rank's cache holds its H/N heads: ``cache.memory_report()`` counts
+    that rank's bytes (``ranks == 1``); ``cache.memory_report(gathered=True)`` sums the bytes of the group's
+    ``ranks`` caches (``cached_tokens`` are the same tokens on every rank and are not summed).
     """
 
     sink: int
@@ -24,6 +28,7 @@ class MemoryReport:
     workspace: int
     bf16_equivalent: int
     cached_tokens: int
+    ranks: int = 1
 
     @property
     def cache(self) -> int:

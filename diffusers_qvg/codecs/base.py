@@ -14,7 +14,7 @@ import math
 import operator
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Iterable, Literal, Sequence
+from typing import ClassVar, Iterable, Literal, NamedTuple, Sequence
 
 import torch
 
@@ -81,6 +81,24 @@ def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
+
+
+class HeadSlice(NamedTuple):
+    """Which of a model's heads a tensor holds: heads ``[start, start + count)`` of ``total`` (one rank's share
+    of a head-sharded cache under Ulysses context parallelism). Formats that draw random numbers per head
+    (QVG's ``"random"`` and ``"kmeans++"`` inits) draw for every head of the model and keep this slice, so a
+    head packs to the same bytes however the heads are split across ranks."""
+
+    start: int
+    count: int
+    total: int
+
+    def check(self, heads: int, what: str = "x") -> None:
+        if not (0 <= self.start and self.count == heads and self.start + self.count <= self.total):
+            raise ValueError(
+                f"{what} holds {heads} heads but heads={self!r} says heads [{self.start}, {self.start + self.count}) "
+                f"of {self.total}; pass the slice of the model's heads that {what} holds"
+            )
 
 
 @dataclass(frozen=True, eq=False)  # identity equality: tensors have no single truth value
@@ -259,11 +277,14 @@ class CodecConfig(ABC):
         warm_slot: int = 0,
         status: WriteStatus | None = None,
         what: str = "x",
+        heads: HeadSlice | None = None,
     ) -> None:
         """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
 
         ``warm_start``/``warm_slot`` name a slot of earlier storage whose parameters (QVG's centroids)
-        seed this one; formats without such parameters ignore them. Implementations validate with
+        seed this one; formats without such parameters ignore them. ``heads``: which of the model's heads
+        ``x`` holds (``None``: all of them); formats without per-head random draws ignore it.
+        Implementations validate with
         :meth:`check_storage_fits` and their own layout rules (raising at once), then the values with
         :meth:`check_write`: without ``status`` on the host (the one sync), with it on the device, every
         store predicated on ``status.ok()`` so that a failed write changes nothing (``what`` names the

@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from ..rotary import compute_dtype_for, rotary_slice, rotate
-from .base import CodecConfig, Packed, Role, SegmentTable
+from .base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
 from .status import WriteStatus
 
 
@@ -45,6 +45,7 @@ class BF16Config(CodecConfig):
         warm_slot: int = 0,
         status: WriteStatus | None = None,
         what: str = "x",
+        heads: HeadSlice | None = None,
     ) -> None:
         self.check_storage_fits(storage, x, token_start, slot)
         dst = storage.values[:, token_start : token_start + x.shape[1]]

@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 
 from ..rotary import compute_dtype_for, rotary_slice, rotate
-from .base import CodecConfig, Packed, Role, SegmentTable
+from .base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
 from .groups import MAX_ABS_INPUT, dequantize_groups, quantize_groups
 from .qvg.format import pack_digits, unpack_digits
 from .status import WriteStatus
@@ -100,6 +100,7 @@ class KIVIConfig(CodecConfig):
         warm_slot: int = 0,
         status: WriteStatus | None = None,
         what: str = "x",
+        heads: HeadSlice | None = None,
     ) -> None:
         self.check_storage_fits(storage, x, token_start, slot)
         if role != storage.role:

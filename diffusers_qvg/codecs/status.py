@@ -7,6 +7,11 @@ own check into the status on the device, and every store of that write (and of e
 predicated on the status still being clean. The cache reads the status once, when the chunk ends, and
 raises the first failure with the message of the write that caused it. Without a status
 (``status=None``, the public ``quantize`` API) a codec checks on the host and raises at once.
+
+A status with a ``group`` (the ranks of a head-sharded cache, each holding some heads of the same writes)
+gathers every check's verdict over the group on the device: a write that fails on one rank fails on all,
+so every rank gates its stores on the same status and raises the same error when the chunk ends, instead
+of one rank raising while the others wait for it in the next collective.
 """
 
 from __future__ import annotations
@@ -16,25 +21,32 @@ from contextlib import contextmanager
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 # Columns of the status tensor: the failing write's tag (0: none failed), the reason, the magnitude seen,
-# how many writes were checked before it, and how many have been checked in all.
-TAG, REASON, AMAX, BEFORE, CHECKED = range(5)
+# how many writes were checked before it, how many have been checked in all, and the rank of the group
+# whose part of the write failed first.
+TAG, REASON, AMAX, BEFORE, CHECKED, RANK = range(6)
 NONFINITE, TOO_LARGE, CONDITION = range(3)
 
 
 class WriteStatus:
     """The first failed write since the last :meth:`raise_if_failed`, recorded on the device.
 
-    ``tensor`` is float64 ``[5]``: ``(tag, reason, amax, before, checked)``, ``tag == 0`` while every write
-    passed; ``before`` counts the writes checked (and stored) before the failing one, so a caller knows
+    ``tensor`` is float64 ``[6]``: ``(tag, reason, amax, before, checked, rank)``, ``tag == 0`` while every
+    write passed; ``before`` counts the writes checked (and stored) before the failing one, so a caller knows
     whether anything was stored at all. Kernels read :meth:`ok` (a bool scalar on the device) to predicate
     their stores; PyTorch writes use :meth:`gated_copy_`. A tag stands for a ``what`` and stays the same for
     the life of the status (so a captured CUDA graph replays valid tags); the messages live on the host.
+
+    ``group``: a process group whose ranks check the same writes in the same order (see the module's
+    docstring); every check then costs one small all-gather on the device, no host read.
     """
 
-    def __init__(self, device: torch.device | str) -> None:
-        self.tensor = torch.zeros(5, dtype=torch.float64, device=device)
+    def __init__(self, device: torch.device | str, group: dist.ProcessGroup | None = None) -> None:
+        self.tensor = torch.zeros(6, dtype=torch.float64, device=device)
+        self.group = group
         self.tags: dict[tuple[str, float | None, tuple[str, ...]], int] = {}
         self.messages: list[tuple[str, float | None, tuple[str, ...]]] = []
 
@@ -80,11 +92,27 @@ class WriteStatus:
             failed = ~ok.to(torch.bool)
             reason = torch.where(bad, reason, torch.where(failed, float(CONDITION + i), reason))
             bad = bad | failed
+        bad, reason, amax, rank = self.agree(bad, reason.double(), amax)
         fail = bad & (self.tensor[TAG] == 0)
         t = self.tensor
-        record = torch.stack([torch.full_like(amax, tag), reason.double(), amax, t[CHECKED], t[CHECKED]])  # no H2D copy
-        t[: CHECKED + 1].copy_(torch.where(fail, record, t[: CHECKED + 1]))
+        record = torch.stack([torch.full_like(amax, tag), reason, amax, t[CHECKED], t[CHECKED], rank])  # no H2D copy
+        t.copy_(torch.where(fail, record, t))
         t[CHECKED] += 1
+
+    def agree(
+        self, bad: torch.Tensor, reason: torch.Tensor, amax: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This check's verdict over the group: failed if it failed on any rank, with the reason, magnitude
+        and rank of the first rank where it did (without a group: this rank's own, rank 0)."""
+        if self.group is None:
+            return bad, reason, amax, torch.zeros_like(amax)
+        rows = amax.new_zeros(dist.get_world_size(self.group), 3)  # every rank fills its row: a sum gathers them
+        rows[dist.get_rank(self.group)] = torch.stack([bad.double(), reason, amax])
+        rows = funcol.all_reduce(rows, "sum", self.group)
+        if isinstance(rows, funcol.AsyncCollectiveTensor):
+            rows = rows.wait()
+        first = rows[:, 0].argmax()  # the first failing rank (0 when none failed)
+        return rows[first, 0] > 0, rows[first, 1], rows[first, 2], first.double()
 
     def ok(self) -> torch.Tensor:
         """True (a bool scalar on the device) while no write has failed: the predicate of every store."""
@@ -101,17 +129,19 @@ class WriteStatus:
     def read(self) -> tuple[str | None, int]:
         """The message of the first failed write (``None``: none failed) and how many writes were stored
         before it (all checked writes when none failed); one host read."""
-        tag, reason, amax, before, checked = self.tensor.tolist()
+        tag, reason, amax, before, checked, rank = self.tensor.tolist()
         if tag == 0:
             return None, int(checked)
-        return self.message(int(tag), reason, amax), int(before)
+        return self.message(int(tag), reason, amax, int(rank)), int(before)
 
     def failure(self) -> str | None:
         """The message of the first failed write, or ``None`` (one host read)."""
         return self.read()[0]
 
-    def message(self, tag: int, reason: float, amax: float) -> str:
+    def message(self, tag: int, reason: float, amax: float, rank: int = 0) -> str:
         what, limit, conditions = self.messages[tag - 1]
+        if self.group is not None:
+            what = f"{what} (the heads of rank {rank} of {dist.get_world_size(self.group)})"
         if reason == NONFINITE:
             return f"NaN or Inf values in {what}; fix the model output before caching it"
         if reason == TOO_LARGE:

@@ -130,6 +130,16 @@ def test_prompts_file_split_across_two_processes(tmp_path):
     assert "[rank 0] wrote" in result.stdout and "[rank 1] wrote" in result.stdout
 
 
+def test_ulysses_needs_a_launcher_and_no_compile(tmp_path):
+    """``--ulysses N`` runs under torchrun (tests/test_ulysses.py runs it there); alone it says how to launch."""
+    out = tmp_path / "fox.mp4"
+    with pytest.raises(RuntimeError, match="launch with `torchrun --nproc-per-node M`"):
+        main(["a fox", *TINY, "--ulysses", "2", "--output", str(out)])
+    with pytest.raises(SystemExit, match="--compile does not work with --ulysses yet"):
+        main(["a fox", *TINY, "--ulysses", "2", "--compile", "--output", str(out)])
+    assert not out.exists()
+
+
 def test_compile_flag_compiles_the_transformer_and_writes_the_same_video(tmp_path, monkeypatch):
     """``--compile`` reaches ``compile_transformer`` with its mode (the backend forced to aot_eager here: the
     CPU's inductor takes minutes); the video is the uncompiled one's."""

@@ -8,7 +8,7 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..base import CodecConfig, Packed, Role, SegmentTable
+from ..base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
 from ..status import WriteStatus
 from ..groups import MAX_ABS_INPUT
 
@@ -196,16 +196,20 @@ class QVGConfig(CodecConfig):
         warm_slot: int = 0,
         status: WriteStatus | None = None,
         what: str = "x",
+        heads: HeadSlice | None = None,
     ) -> None:
         from .encode import check_warm_start, quantize_into
 
         self.check_storage_fits(storage, x, token_start, slot)
+        if heads is not None:
+            heads.check(x.shape[2], what)
         must_hold = ()
         if warm_start is not None and self.stages:
             must_hold = (check_warm_start(self, storage, warm_start, warm_slot),)
         gate = None if self.check_write(x, status, what, must_hold) else status
         quantize_into(
-            self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot, gate=gate
+            self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot, gate=gate,
+            heads=heads,
         )
 
     def dequantize_into(self, storage: Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ...rotary import compute_dtype_for
-from ..base import Packed
+from ..base import HeadSlice, Packed
 from ..status import WriteStatus
 from ..groups import pow2_at_least
 from .config import QVGConfig
@@ -71,12 +71,13 @@ def quantize_into(
     warm_start: Packed | None = None,
     warm_slot: int = 0,
     gate: WriteStatus | None = None,
+    heads: HeadSlice | None = None,
 ) -> None:
     """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
 
-    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x`` and ``warm_start`` against the storage;
-    with a ``gate``, the values were checked on the device only, and nothing may be written unless
-    ``gate.ok()``.
+    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x``, ``warm_start`` and ``heads`` against the
+    storage; with a ``gate``, the values were checked on the device only, and nothing may be written unless
+    ``gate.ok()``. ``heads``: which of the model's heads ``x`` holds (the k-means init draws per global head).
     """
     B, N, H, D = x.shape
     K, f = config.centroids, compute_dtype_for(x.dtype)
@@ -90,7 +91,7 @@ def quantize_into(
             init = decode_centroids(warm_start.centroids[warm_slot, t], wscales, f).reshape(B * H, K, D)
         else:
             generator = torch.Generator(device=x.device).manual_seed(config.seed + t)
-            init = kmeans_init(points, K, config.kmeans_init, generator)
+            init = kmeans_init(points, K, config.kmeans_init, generator, heads)
         stored, scales = round_centroids(ops.lloyd(points, init, config.kmeans_iters), config)
         table = decode_centroids(stored, scales, f)
         ids = ops.assign(points, table).long()

@@ -1,16 +1,21 @@
 """Batched Euclidean k-means for QVG: deterministic inits, Lloyd iterations via flash-kmeans, assignment.
 
-Points come as ``x`` [P, N, D] (P = batch * heads problems of N points each). Every random draw uses the
-caller's ``torch.Generator``; the global RNG is never touched (flash-kmeans itself would draw its init
-from the global RNG, so we always pass ``init_centroids``).
+Points come as ``x`` [P, N, D] (P = batch * heads problems of N points each, batch-major). Every random draw
+uses the caller's ``torch.Generator``; the global RNG is never touched (flash-kmeans itself would draw its init
+from the global RNG, so we always pass ``init_centroids``). Draws are made for every head of the model and
+the problems' own heads kept (:func:`draw_for_heads`), so a head-sharded cache (one rank's heads under Ulysses)
+inits each head exactly as one process holding all heads does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
+from functools import partial
+from typing import Callable, Literal
 
 import torch
+
+from ..base import HeadSlice
 
 KMeansInit = Literal["kmeans++", "strided", "random"]
 
@@ -36,24 +41,45 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return torch.gather(table, 1, index.unsqueeze(-1).expand(-1, -1, table.shape[-1]))
 
 
-def kmeans_init(x: torch.Tensor, num_centroids: int, method: KMeansInit, generator: torch.Generator) -> torch.Tensor:
+def draw_for_heads(
+    draw: Callable[[tuple[int, ...]], torch.Tensor], P: int, heads: HeadSlice | None, *size: int
+) -> torch.Tensor:
+    """``draw(shape)`` for the ``P = batch * heads.count`` problems, [P, *size]: drawn as
+    [batch, heads.total, *size] and this call's heads kept, so every rank of a head-sharded cache draws what
+    one process holding all heads draws, and advances its generator as far. A generator's numbers do not
+    depend on the shape they fill, only on how many are drawn (tested on the CPU; torch's CUDA Philox kernels
+    index their stream by element as well, not run on a GPU here), so for one process this is the draw of
+    ``(P, *size)`` exactly (``heads=None`` draws just that)."""
+    if heads is None:
+        return draw((P, *size))
+    batch = P // heads.count
+    return draw((batch, heads.total, *size))[:, heads.start : heads.start + heads.count].reshape(P, *size)
+
+
+def kmeans_init(
+    x: torch.Tensor, num_centroids: int, method: KMeansInit, generator: torch.Generator, heads: HeadSlice | None = None
+) -> torch.Tensor:
     """Initial centroids [P, K, D] drawn from the points of ``x`` [P, N, D].
 
     ``"strided"`` takes tokens ``floor(i * N / K)`` (free, no randomness); ``"random"`` draws tokens
     uniformly with replacement (the official init, here seeded); ``"kmeans++"`` is greedy D^2 sampling.
+    ``heads``: which of the model's heads the problems are (``None``: all); see :func:`draw_for_heads`.
     """
     P, N, _ = x.shape
     if method == "strided":
         index = (torch.arange(num_centroids, device=x.device) * N // num_centroids).expand(P, -1)
         return gather_rows(x, index)
     if method == "random":
-        return gather_rows(x, torch.randint(0, N, (P, num_centroids), device=x.device, generator=generator))
+        draw = partial(torch.randint, 0, N, device=x.device, generator=generator)
+        return gather_rows(x, draw_for_heads(draw, P, heads, num_centroids))
     if method == "kmeans++":
-        return _greedy_kmeans_plusplus(x, num_centroids, generator)
+        return _greedy_kmeans_plusplus(x, num_centroids, generator, heads)
     raise ValueError(f"unknown k-means init {method!r}; use 'kmeans++', 'strided' or 'random'")
 
 
-def _greedy_kmeans_plusplus(x: torch.Tensor, num_centroids: int, generator: torch.Generator) -> torch.Tensor:
+def _greedy_kmeans_plusplus(
+    x: torch.Tensor, num_centroids: int, generator: torch.Generator, heads: HeadSlice | None
+) -> torch.Tensor:
     """Greedy k-means++ (Arthur & Vassilvitskii; scikit-learn's default): each step draws
     ``2 + floor(ln K)`` candidates with probability proportional to D^2 and keeps the one that lowers the
     total D^2 most. Sampling is by inverse CDF (``searchsorted``), so it needs no host sync.
@@ -62,13 +88,14 @@ def _greedy_kmeans_plusplus(x: torch.Tensor, num_centroids: int, generator: torc
     trials = 2 + int(math.log(num_centroids))
     rows = torch.arange(P, device=x.device)
     centroids = x.new_empty(P, num_centroids, D)
-    first = torch.randint(0, N, (P,), device=x.device, generator=generator)
+    first = draw_for_heads(partial(torch.randint, 0, N, device=x.device, generator=generator), P, heads)
+    uniform = partial(torch.rand, device=x.device, dtype=x.dtype, generator=generator)
     centroids[:, 0] = x[rows, first]
     x_sq = x.square().sum(-1, keepdim=True)
     closest = squared_distances(x, x_sq, centroids[:, :1]).squeeze(-1)  # [P, N]
     for k in range(1, num_centroids):
         cdf = closest.cumsum(-1)
-        target = torch.rand(P, trials, device=x.device, dtype=x.dtype, generator=generator) * cdf[:, -1:]
+        target = draw_for_heads(uniform, P, heads, trials) * cdf[:, -1:]
         candidates = torch.searchsorted(cdf, target, right=True).clamp_max_(N - 1)  # [P, trials]
         points = gather_rows(x, candidates)  # [P, trials, D]
         reduced = torch.minimum(closest.unsqueeze(-1), squared_distances(x, x_sq, points))  # [P, N, trials]
