@@ -175,3 +175,13 @@ def test_a_forward_unlike_its_planned_chunk_is_refused_before_anything_changes()
         with caches[1].chunk(start_frame=6, final=True, hidden_states=planned):
             models[1](hidden_states=other, timestep=torch.tensor([0.0]), encoder_hidden_states=TEXT)
     assert_unchanged(caches[1], before)
+
+
+def test_the_cache_ops_are_opaque_to_the_compiler_and_split_cuda_graphs():
+    """Both ops read the live plan at run time: inductor must not capture them in a CUDA graph
+    (``mode="reduce-overhead"`` splits its graphs around ops tagged ``cudagraph_unsafe``)."""
+    for name in ("read_window", "store"):
+        op = getattr(torch.ops.diffusers_qvg, name).default
+        assert torch.Tag.cudagraph_unsafe in op.tags
+    schema = str(torch.ops.diffusers_qvg.store.default._schema)
+    assert "Tensor(a0!) status" in schema  # the store mutates the status, which keeps it alive and ordered
