@@ -43,11 +43,12 @@ class WriteStatus:
         what: str,
         limit: float | None,
         must_hold: Sequence[tuple[torch.Tensor, str]] = (),
-    ) -> None:
+    ) -> int:
         """Record a failure of ``x`` (NaN/Inf, or a magnitude above ``limit``) or of a ``must_hold``
         condition (a boolean device scalar and the message to raise), unless an earlier write failed.
 
         A handful of small device ops, no host read. ``what`` names the write in the eventual error.
+        Returns the write's tag (1, 2, ... in the order of the checks; see :meth:`allows`).
         """
         if x.device != self.device:
             raise ValueError(f"{what} is on {x.device} but the cache's write status is on {self.device}")
@@ -65,10 +66,18 @@ class WriteStatus:
         fail = bad & (self.tensor[TAG] == 0)
         record = torch.stack([amax.new_tensor(tag), reason.double(), amax])
         self.tensor.copy_(torch.where(fail, record, self.tensor))
+        return len(self.messages)
 
     def ok(self) -> torch.Tensor:
         """True (a bool scalar on the device) while no write has failed: the predicate of every store."""
         return self.tensor[TAG] == 0
+
+    def allows(self, tag: int) -> torch.Tensor:
+        """True (a bool scalar on the device) while the write tagged ``tag`` may store: no write failed, or
+        only a later one. A batch of writes is checked first, then stored: write ``i``'s stores are
+        predicated on this, so each write sees only the failures of the writes before it, as one by one."""
+        failed = self.tensor[TAG]
+        return (failed == 0) | (failed > tag)
 
     def ok_on_host(self) -> bool:
         """:meth:`ok` read on the host: free on the CPU; on CUDA a sync (only the reference paths use it)."""

@@ -1,0 +1,185 @@
+"""The k-means problems of one encoder call, and how every encoder kernel reads their points.
+
+A call packs ``I`` items (tensors ``x`` [B, N, H, D] of one shape, each into its own storage, token range and
+slot: e.g. a layer's K and V); each (item, batch, head) is one problem of N points, ``P = I * B * H`` in all,
+item-major. The kernels take item 0's tensors as base pointers and an int64 *item table* [I, COLUMNS] on the
+device: each item's element offsets from item 0's tensors, then its token start, slot and write tag. So one
+launch covers every item, token starts and slots never become kernel arguments (no recompiles), and the
+number of launches does not depend on I.
+
+Between launches the problems share scratch, problem-major: the working float32 centroids of the Lloyd
+iterations, each stage's rounded table (stored bits, exactly what the storage will hold, and its scales) and
+ids, and the per-block residual needs the codes kernel turns into each head's shift. The points of stage
+``t`` are never materialised: ``x - C_0[id_0] - ... - C_{t-1}[id_{t-1}]`` (float32, in that order, as the
+reference subtracts them) is recomputed by every kernel that reads them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Columns of the item table.
+X, CODES, SCALES, ZEROS, IDS, CENT, CSCALE, SHIFT, TOKEN_START, SLOT, TAG = (tl.constexpr(i) for i in range(11))
+COLUMNS = tl.constexpr(11)
+STORAGE_FIELDS = ("codes", "scales", "zeros", "ids", "centroids", "centroid_scales", "scale_shift")
+
+
+@dataclass
+class Problems:
+    """Geometry, item table and scratch of one encoder call (see the module docstring)."""
+
+    x: torch.Tensor  # item 0's points: [B, N, H, D] (or a [P, N, D] tensor seen as B = P, H = 1)
+    x_strides: tuple[int, int, int, int]
+    items: torch.Tensor  # int64 [I, COLUMNS]
+    num_items: int
+    batch: int
+    tokens: int
+    heads: int
+    head_dim: int
+    centroids: int  # K
+    ids: torch.Tensor  # int32 [stages, P, N]
+    tables: torch.Tensor  # [stages, P, K, D] in the storage's centroid dtype
+    table_scales: torch.Tensor  # float32 [stages, P, K or 1] (e4m3 tables), else a dummy
+    working: torch.Tensor  # float32 [P, K, D]: the Lloyd iterations' centroids
+    need: torch.Tensor  # float32 [P, blocks]: each token block's largest scale need
+
+    @property
+    def count(self) -> int:
+        return self.num_items * self.batch * self.heads
+
+    def point_args(self) -> tuple:
+        """The arguments every encoder kernel starts with (see :func:`stage_points`)."""
+        return (
+            self.x, self.items, self.ids, self.tables, self.table_scales,
+            self.tokens, self.centroids, self.count, self.heads, self.batch, *self.x_strides,
+        )  # fmt: skip
+
+    def table_flags(self) -> dict:
+        """Constexprs saying how the stage tables decode: ``CENT_SCALED`` (e4m3 with scales) and whether
+        the scales are per centroid."""
+        scaled = self.table_scales.dim() == 3
+        return dict(CENT_SCALED=scaled, PER_CENTROID=scaled and self.table_scales.shape[-1] > 1)
+
+
+def exact_format(dtype: torch.dtype) -> str | None:
+    """The narrowest tensor-core input format holding every value of ``dtype`` exactly: "bf16" (bf16, e4m3),
+    "tf32" (fp16: 10 mantissa bits), or None (float32)."""
+    if dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        return "bf16"
+    return "tf32" if dtype == torch.float16 else None
+
+
+def points_problems(x: torch.Tensor, num_centroids: int) -> Problems:
+    """A [P, N, D] float tensor of points as a one-item problem set (B = P, H = 1), for the k-means kernels
+    on their own (tests, benchmarks); no stage tables."""
+    P, N, D = x.shape
+    dummy = torch.zeros(1, 1, 1, device=x.device)
+    return Problems(
+        x=x, x_strides=(x.stride(0), x.stride(1), 0, x.stride(2)),
+        items=torch.zeros(1, COLUMNS.value, dtype=torch.int64, device=x.device),
+        num_items=1, batch=P, tokens=N, heads=1, head_dim=D, centroids=num_centroids,
+        ids=torch.empty(1, P, N, dtype=torch.int32, device=x.device), tables=dummy, table_scales=dummy.view(1),
+        working=torch.empty(P, num_centroids, D, device=x.device), need=dummy.view(1, 1),
+    )  # fmt: skip
+
+
+@triton.jit
+def problem_of(p, heads, batch):
+    """(item, b, h) of problem ``p``: problems are item-major, then batch, then head."""
+    per_item = heads * batch
+    return p // per_item, (p % per_item) // heads, p % heads
+
+
+@triton.jit
+def item_value(items_ptr, item, COLUMN: tl.constexpr):
+    return tl.load(items_ptr + item * COLUMNS + COLUMN)
+
+
+@triton.jit
+def stage_rows(
+    t, p, ids, row_mask, cols, col_mask, tables_ptr, tscales_ptr, n_centroids, n_problems,
+    D: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
+):
+    """Stage ``t``'s decoded table rows ``ids`` of problem ``p``: ``float(stored) * scale``, float32
+    [BLOCK, D_PAD], 0 where masked (the reference's ``decode_centroids``, exact)."""
+    table = (t * n_problems + p) * n_centroids
+    mask = row_mask[:, None] & col_mask[None, :]
+    # No `other=` (it cannot be cast to fp8); masked lanes are zeroed after the widening instead.
+    stored = tl.load(tables_ptr + ((table + ids) * D)[:, None] + cols[None, :], mask=mask)
+    rows = tl.where(mask, stored.to(tl.float32), 0.0)
+    if CENT_SCALED:
+        if PER_CENTROID:
+            scale = tl.load(tscales_ptr + table + ids, mask=row_mask, other=0)
+            rows = rows * scale[:, None]
+        else:
+            rows = rows * tl.load(tscales_ptr + t * n_problems + p)
+    return rows
+
+
+@triton.jit
+def stage_points(
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    s_x_b, s_x_t, s_x_h, s_x_d, p, tokens, row_mask, cols, col_mask,
+    STAGE: tl.constexpr, D: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
+):
+    """Points ``tokens`` of problem ``p`` at stage ``STAGE`` (x minus the first STAGE stages' centroids),
+    float32 [BLOCK, D_PAD], 0 where masked. ``p`` is int64."""
+    item, b, h = problem_of(p, heads, batch)
+    rows = item_value(items_ptr, item, X) + b * s_x_b + h * s_x_h + tokens.to(tl.int64) * s_x_t
+    mask = row_mask[:, None] & col_mask[None, :]
+    r = tl.load(x_ptr + rows[:, None] + (cols * s_x_d)[None, :], mask=mask, other=0).to(tl.float32)
+    for t in tl.static_range(STAGE):
+        ids = tl.load(ids_ptr + (t * n_problems + p) * n_points + tokens, mask=row_mask, other=0).to(tl.int64)
+        r = r - stage_rows(
+            t, p, ids, row_mask, cols, col_mask, tables_ptr, tscales_ptr, n_centroids, n_problems,
+            D, CENT_SCALED, PER_CENTROID,
+        )
+    return r
+
+
+@triton.jit
+def strided_tokens(ks, n_points, n_centroids):
+    """The tokens ``floor(k * N / K)`` the strided init takes as centroids ``ks`` (int32, as torch computes)."""
+    return ((ks.to(tl.int64) * n_points) // n_centroids).to(tl.int32)
+
+
+@triton.jit
+def working_rows(
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    s_x_b, s_x_t, s_x_h, s_x_d, cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
+    STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, D: tl.constexpr,
+    CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
+):
+    """Working centroids ``ks`` of problem ``p`` (float32 [BLOCK_K, D_PAD], 0 where masked): the strided
+    init's points when ``FROM_POINTS`` (the first iteration of a stage), else the working table."""
+    if FROM_POINTS:
+        return stage_points(
+            x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+            s_x_b, s_x_t, s_x_h, s_x_d, p, strided_tokens(ks, n_points, n_centroids), k_mask, cols, col_mask,
+            STAGE, D, CENT_SCALED, PER_CENTROID,
+        )
+    else:
+        mask = k_mask[:, None] & col_mask[None, :]
+        offsets = p * s_c_p + ks[:, None].to(tl.int64) * s_c_k + (cols * s_c_d)[None, :]
+        return tl.load(cent_ptr + offsets, mask=mask, other=0)
+
+
+@triton.jit
+def exact_dot(a, b, acc, FORMAT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + a @ b`` for float32 operands whose values are exact in ``FORMAT`` ("bf16", "fp16", "tf32"),
+    so every product is exact and only the float32 accumulation order is the hardware's; "tf32x3" for
+    any float32 operands (about float32 accuracy). The interpreter's dot mishandles bfloat16 operands, so
+    there (``INTERPRET``) the same exact values are multiplied in float32."""
+    if INTERPRET:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    elif FORMAT == "bf16":
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+    elif FORMAT == "fp16":
+        return tl.dot(a.to(tl.float16), b.to(tl.float16), acc)
+    else:
+        return tl.dot(a, b, acc, input_precision=FORMAT)
+
