@@ -15,7 +15,9 @@ where two centroids are equally near to within float32 rounding.
 
 With ``NEED`` (the last stage's final assignment, or the only pass when there are no stages) the program also
 reduces its block's residual ``r = points - C[id]`` to the largest scale need of its groups (``max |r| / qmax``,
-or ``max((hi - lo) / qmax, |lo|)`` asymmetric): the codes kernel takes each head's maximum over its blocks.
+or ``max((hi - lo) / qmax, |lo|)`` asymmetric) and folds it into the head's need with an atomic max: of
+values >= 0, whose result does not depend on the order (it lowers to an integer max), so it is
+deterministic. The codes kernel turns each head's need into its shift.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ import triton.language as tl
 
 from . import INTERPRETING, check_runnable
 from .numerics import round_to_bf16, round_to_tf32
-from .problems import Problems, exact_dot, exact_format, points_problems, stage_points, stage_rows, working_rows
+from .problems import Problems, exact_dot, exact_format, points_problems, problem_points, stage_points, stage_rows, working_rows
 from .quantize import group_needs
 
 BLOCK_POINTS = 64
-BLOCK_CENTROIDS = 32
+BLOCK_CENTROIDS = 64
 
 
 @triton.jit
@@ -51,16 +53,17 @@ def _assign_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, FROM_POINTS: tl.constexpr,
     ROUND: tl.constexpr, FORMAT: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
     NEED: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = tokens < n_points
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
+    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
     points = stage_points(
-        x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-        s_x_b, s_x_t, s_x_h, s_x_d, p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
+        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+        p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
     )
     if ASSIGN != "none":
         a = _operand(points, ROUND)
@@ -71,13 +74,13 @@ def _assign_kernel(
             k_mask = ks < n_centroids
             if ASSIGN == "final":
                 c = stage_rows(
-                    STAGE, p, ks.to(tl.int64), k_mask, cols, col_mask, tables_ptr, tscales_ptr, n_centroids,
-                    n_problems, D, CENT_SCALED, PER_CENTROID,
+                    tables_ptr, tscales_ptr, STAGE, p, ks, k_mask, cols, col_mask, n_centroids, n_problems,
+                    D, CENT_SCALED, PER_CENTROID,
                 )
             else:
                 c = _operand(working_rows(
-                    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads,
-                    batch, s_x_b, s_x_t, s_x_h, s_x_d, cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
+                    x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+                    cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
                     STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
                 ), ROUND)
             products = exact_dot(a, tl.trans(c), tl.zeros([BLOCK_N, BLOCK_K], tl.float32), FORMAT, INTERPRET)
@@ -91,15 +94,15 @@ def _assign_kernel(
         tl.store(ids_ptr + (STAGE * n_problems + p) * n_points + tokens, best_id, mask=row_mask)
         if NEED:
             points = points - stage_rows(
-                STAGE, p, best_id.to(tl.int64), row_mask, cols, col_mask, tables_ptr, tscales_ptr, n_centroids,
-                n_problems, D, CENT_SCALED, PER_CENTROID,
+                tables_ptr, tscales_ptr, STAGE, p, best_id, row_mask, cols, col_mask, n_centroids, n_problems,
+                D, CENT_SCALED, PER_CENTROID,
             )
     if NEED:
         G_PAD: tl.constexpr = D_PAD // GROUP
         _, _, need = group_needs(points, BLOCK_N, G_PAD, GROUP, SYMMETRIC, QMAX)
         valid = row_mask[:, None] & (tl.arange(0, G_PAD) * GROUP < D)[None, :]
         block_need = tl.max(tl.max(tl.where(valid, need, 0.0), axis=1), axis=0)
-        tl.store(need_ptr + p * tl.num_programs(0) + tl.program_id(0), block_need)
+        tl.atomic_max(need_ptr + p, block_need)  # of values >= 0: order-independent, so deterministic
 
 
 def launch_assign(
@@ -116,7 +119,8 @@ def launch_assign(
     ``mode``: ``"lloyd"`` against the working centroids (the strided init's points when ``from_points``) in
     ``precision``; ``"final"`` against the stage's rounded table, with exact products where the formats allow;
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
-    ``need = (group_size, symmetric, qmax)`` writes the residuals' scale needs into ``problems.need``.
+    ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need`` (zeroed
+    by the rounding kernel, or by the caller).
     """
     pr = problems
     if mode == "final":
@@ -128,17 +132,12 @@ def launch_assign(
         fmt, rounding = precision, (None if precision == "tf32x3" else precision)
     group, symmetric, qmax = need if need is not None else (pr.head_dim, True, 1)
     D = pr.head_dim
-    _assign_kernel[(need_blocks(pr.tokens), pr.count)](
+    _assign_kernel[(triton.cdiv(pr.tokens, BLOCK_POINTS), pr.count)](
         *pr.point_args(), pr.working, *pr.working.stride(), pr.need,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, FROM_POINTS=from_points,
         ROUND=rounding, FORMAT=fmt, NEED=need is not None, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
-        BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, **pr.table_flags(),
+        BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_stages=1, **pr.flags(),
     )  # fmt: skip
-
-
-def need_blocks(tokens: int) -> int:
-    """Token blocks per problem of the scale-need pass (the codes kernel's reduction length)."""
-    return triton.cdiv(tokens, BLOCK_POINTS)
 
 
 def assign(

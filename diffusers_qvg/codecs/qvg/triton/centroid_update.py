@@ -21,9 +21,9 @@ import triton.language as tl
 from . import INTERPRETING, check_runnable
 from .assign import launch_assign
 from .numerics import round_to_bf16
-from .problems import Problems, exact_dot, exact_format, points_problems, stage_points, working_rows
+from .problems import Problems, exact_dot, exact_format, points_problems, problem_points, stage_inputs, stage_points, working_rows
 
-BLOCK_POINTS = 64
+BLOCK_POINTS = 128
 BLOCK_CENTROIDS = 32
 
 
@@ -31,14 +31,16 @@ BLOCK_CENTROIDS = 32
 def _add_members(acc, hit, points, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
     """``acc + hit @ points`` with every product exact (``hit`` is 0/1; see the module docstring)."""
     if EXACT != "split":
-        return exact_dot(hit, points, acc, EXACT, INTERPRET)
+        return exact_dot(tl.trans(points), tl.trans(hit.to(points.dtype)), acc, EXACT, INTERPRET)
     else:
+        hit = hit.to(tl.float32)
         high = round_to_bf16(points)
         rest = points - high  # exact: the rounding error of a float32 is a float32
         middle = round_to_bf16(rest)
-        acc = exact_dot(hit, high, acc, "bf16", INTERPRET)
-        acc = exact_dot(hit, middle, acc, "bf16", INTERPRET)
-        return exact_dot(hit, rest - middle, acc, "bf16", INTERPRET)  # the last 8 bits: exact in bf16
+        hit = tl.trans(hit)
+        acc = exact_dot(tl.trans(high), hit, acc, "bf16", INTERPRET)
+        acc = exact_dot(tl.trans(middle), hit, acc, "bf16", INTERPRET)
+        return exact_dot(tl.trans(rest - middle), hit, acc, "bf16", INTERPRET)  # the last 8 bits: exact in bf16
 
 
 @triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
@@ -48,7 +50,7 @@ def _centroid_update_kernel(
     cent_ptr, s_c_p, s_c_k, s_c_d,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, EXACT: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -56,28 +58,32 @@ def _centroid_update_kernel(
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
     ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
-    sums = tl.zeros([BLOCK_K, D_PAD], tl.float32)
-    counts = tl.zeros([BLOCK_K], tl.int32)
+    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
+    hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
     for n0 in range(0, n_points, BLOCK_N):
         tokens = n0 + tl.arange(0, BLOCK_N)
         row_mask = tokens < n_points
         ids = tl.load(ids_row + tokens, mask=row_mask, other=-1)
         hit = ks[:, None] == ids[None, :]  # [BLOCK_K, BLOCK_N]
-        counts += tl.sum(hit.to(tl.int32), axis=1)
-        points = stage_points(
-            x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-            s_x_b, s_x_t, s_x_h, s_x_d, p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
-        )
-        sums = _add_members(sums, hit.to(tl.float32), points, EXACT, INTERPRET)
+        hits += hit.to(tl.int32)
+        if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
+            points = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d)
+        else:
+            points = stage_points(
+                x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+                p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
+            )
+        sums = _add_members(sums, hit, points, EXACT, INTERPRET)
+    counts = tl.sum(hits, axis=1)
     old = working_rows(
-        x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-        s_x_b, s_x_t, s_x_h, s_x_d, cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
-        STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
+        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+        cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
     )
     count = counts[:, None]
-    mean = tl.where(count > 0, tl.math.div_rn(sums, tl.maximum(count, 1).to(tl.float32)), old)
-    offsets = p * s_c_p + ks[:, None].to(tl.int64) * s_c_k + (cols * s_c_d)[None, :]
-    tl.store(cent_ptr + offsets, mean, mask=k_mask[:, None] & col_mask[None, :])
+    mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), old)
+    offsets = (ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]
+    tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=k_mask[:, None] & col_mask[None, :])
 
 
 def launch_update(problems: Problems, stage: int, *, from_points: bool = False) -> None:
@@ -90,7 +96,7 @@ def launch_update(problems: Problems, stage: int, *, from_points: bool = False) 
         *pr.point_args(), pr.working, *pr.working.stride(),
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, FROM_POINTS=from_points,
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
-        BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, **pr.table_flags(),
+        BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_warps=8, **pr.flags(),
     )  # fmt: skip
 
 

@@ -24,10 +24,10 @@ from ..decode import decode_centroids
 from ..format import QVGPacked
 from ..kmeans import gather_rows, kmeans_init
 from . import check_runnable
-from .assign import launch_assign, need_blocks
+from .assign import launch_assign
 from .centroid_round import launch_round
 from .centroid_update import launch_update
-from .problems import COLUMNS, STORAGE_FIELDS, Problems
+from .problems import COLUMNS, STORAGE_FIELDS, Problems, alignment
 from .quantize import launch_codes
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ def quantize_residual_into(storage: QVGPacked, x: torch.Tensor, alphas: torch.Te
         problems.tables[t].copy_(storage.centroids[slot, t].reshape(B * H, cfg.centroids, -1))
         if storage.centroid_scales is not None:
             problems.table_scales[t].copy_(storage.centroid_scales[slot, t].reshape(B * H, -1))
+    problems.need.zero_()
     launch_assign(problems, cfg.stages, "none", need=(cfg.group_size, cfg.symmetric, cfg.qmax))
     launch_codes(problems, storage, alphas, None)
 
@@ -96,7 +97,7 @@ def build_problems(config: QVGConfig, writes: Sequence[Write]) -> Problems:
     St, K, P = max(config.stages, 1), config.centroids, len(writes) * B * H
     cent_dtype = config.centroid_torch_dtype
     scaled = config.centroid_dtype == "e4m3"
-    return Problems(
+    problems = Problems(
         x=xs[0], x_strides=tuple(xs[0].stride()), items=item_table(writes, xs), num_items=len(writes),
         batch=B, tokens=N, heads=H, head_dim=D, centroids=K if config.stages else 0,
         ids=torch.empty(St, P, N, dtype=torch.int32, device=device),
@@ -106,8 +107,11 @@ def build_problems(config: QVGConfig, writes: Sequence[Write]) -> Problems:
             if scaled else torch.empty(1, device=device)
         ),
         working=torch.empty(P, K if config.stages else 1, D, device=device),
-        need=torch.empty(P, need_blocks(N), device=device),
+        need=torch.zeros(P, device=device) if config.stages == 0 else torch.empty(P, device=device),
+        x_align=alignment(xs, xs[0].stride()[0:3:2] if B > 1 else xs[0].stride()[2:3]),
     )  # fmt: skip
+    problems.check_offsets()
+    return problems
 
 
 def item_table(writes: Sequence[Write], xs: Sequence[torch.Tensor]) -> torch.Tensor:

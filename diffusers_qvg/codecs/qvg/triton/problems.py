@@ -9,7 +9,7 @@ number of launches does not depend on I.
 
 Between launches the problems share scratch, problem-major: the working float32 centroids of the Lloyd
 iterations, each stage's rounded table (stored bits, exactly what the storage will hold, and its scales) and
-ids, and the per-block residual needs the codes kernel turns into each head's shift. The points of stage
+ids, and each head's residual scale need, which the codes kernel turns into its shift. The points of stage
 ``t`` are never materialised: ``x - C_0[id_0] - ... - C_{t-1}[id_{t-1}]`` (float32, in that order, as the
 reference subtracts them) is recomputed by every kernel that reads them.
 """
@@ -45,7 +45,8 @@ class Problems:
     tables: torch.Tensor  # [stages, P, K, D] in the storage's centroid dtype
     table_scales: torch.Tensor  # float32 [stages, P, K or 1] (e4m3 tables), else a dummy
     working: torch.Tensor  # float32 [P, K, D]: the Lloyd iterations' centroids
-    need: torch.Tensor  # float32 [P, blocks]: each token block's largest scale need
+    need: torch.Tensor  # float32 [P]: each head's largest scale need (before its shift)
+    x_align: int = 1  # elements every problem's first point is aligned to (see alignment())
 
     @property
     def count(self) -> int:
@@ -58,11 +59,34 @@ class Problems:
             self.tokens, self.centroids, self.count, self.heads, self.batch, *self.x_strides,
         )  # fmt: skip
 
-    def table_flags(self) -> dict:
-        """Constexprs saying how the stage tables decode: ``CENT_SCALED`` (e4m3 with scales) and whether
-        the scales are per centroid."""
+    def check_offsets(self) -> None:
+        """Per-element offsets in the kernels are int32: a problem's points must span less than 2^31 elements."""
+        B, N, H, D = self.batch, self.tokens, self.heads, self.head_dim
+        span = (N - 1) * abs(self.x_strides[1]) + (D - 1) * abs(self.x_strides[3])
+        if span >= 2**31:
+            raise ValueError(
+                f"a segment of {N} tokens spans {span} elements per head (token stride {self.x_strides[1]}); the "
+                "Triton encoder needs fewer than 2^31: pack shorter segments"
+            )
+
+    def flags(self) -> dict:
+        """Constexprs every encoder kernel takes: how the stage tables decode (``CENT_SCALED``: e4m3 with
+        scales, per centroid or not) and ``X_ALIGN``."""
         scaled = self.table_scales.dim() == 3
-        return dict(CENT_SCALED=scaled, PER_CENTROID=scaled and self.table_scales.shape[-1] > 1)
+        return dict(CENT_SCALED=scaled, PER_CENTROID=scaled and self.table_scales.shape[-1] > 1, X_ALIGN=self.x_align)
+
+
+def alignment(xs: list[torch.Tensor], strides: tuple[int, ...]) -> int:
+    """The largest power of two (at most 16 bytes' worth of elements) dividing the element address of every
+    item's first point and the batch and head strides: every problem's first point is aligned to it, which
+    the kernels state (``X_ALIGN``) so that loads from it vectorise. The item offsets come from device memory,
+    where the compiler cannot see their alignment."""
+    size = xs[0].element_size()
+    values = [x.data_ptr() // size for x in xs] + [s for s in strides if s]
+    align = 16 // size
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
 
 
 def exact_format(dtype: torch.dtype) -> str | None:
@@ -78,13 +102,16 @@ def points_problems(x: torch.Tensor, num_centroids: int) -> Problems:
     on their own (tests, benchmarks); no stage tables."""
     P, N, D = x.shape
     dummy = torch.zeros(1, 1, 1, device=x.device)
-    return Problems(
+    problems = Problems(
         x=x, x_strides=(x.stride(0), x.stride(1), 0, x.stride(2)),
         items=torch.zeros(1, COLUMNS.value, dtype=torch.int64, device=x.device),
         num_items=1, batch=P, tokens=N, heads=1, head_dim=D, centroids=num_centroids,
         ids=torch.empty(1, P, N, dtype=torch.int32, device=x.device), tables=dummy, table_scales=dummy.view(1),
-        working=torch.empty(P, num_centroids, D, device=x.device), need=dummy.view(1, 1),
+        working=torch.empty(P, num_centroids, D, device=x.device), need=dummy.view(1),
+        x_align=alignment([x], (x.stride(0),)),
     )  # fmt: skip
+    problems.check_offsets()
+    return problems
 
 
 @triton.jit
@@ -100,42 +127,55 @@ def item_value(items_ptr, item, COLUMN: tl.constexpr):
 
 
 @triton.jit
+def problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN: tl.constexpr):
+    """Pointer to problem ``p``'s first point (int64 ``p``), aligned to ``X_ALIGN`` elements. Per-element
+    offsets from it stay int32 (``N * s_x_t < 2^31``, checked on the host): one 64-bit base per program, not
+    one address per element."""
+    item, b, h = problem_of(p, heads, batch)
+    return x_ptr + tl.multiple_of(item_value(items_ptr, item, X) + b * s_x_b + h * s_x_h, X_ALIGN)
+
+
+@triton.jit
 def stage_rows(
-    t, p, ids, row_mask, cols, col_mask, tables_ptr, tscales_ptr, n_centroids, n_problems,
+    tables_ptr, tscales_ptr, t, p, ids, row_mask, cols, col_mask, n_centroids, n_problems,
     D: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
-    """Stage ``t``'s decoded table rows ``ids`` of problem ``p``: ``float(stored) * scale``, float32
+    """Stage ``t``'s decoded table rows ``ids`` (int32) of problem ``p``: ``float(stored) * scale``, float32
     [BLOCK, D_PAD], 0 where masked (the reference's ``decode_centroids``, exact)."""
     table = (t * n_problems + p) * n_centroids
     mask = row_mask[:, None] & col_mask[None, :]
     # No `other=` (it cannot be cast to fp8); masked lanes are zeroed after the widening instead.
-    stored = tl.load(tables_ptr + ((table + ids) * D)[:, None] + cols[None, :], mask=mask)
+    stored = tl.load(tables_ptr + table * D + ((ids * D)[:, None] + cols[None, :]), mask=mask)
     rows = tl.where(mask, stored.to(tl.float32), 0.0)
     if CENT_SCALED:
         if PER_CENTROID:
-            scale = tl.load(tscales_ptr + table + ids, mask=row_mask, other=0)
-            rows = rows * scale[:, None]
+            rows = rows * tl.load(tscales_ptr + table + ids, mask=row_mask, other=0)[:, None]
         else:
             rows = rows * tl.load(tscales_ptr + t * n_problems + p)
     return rows
 
 
 @triton.jit
+def stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d):
+    """Points ``tokens`` of the problem at ``x_row`` (see :func:`problem_points`) at stage 0, in the input's own
+    dtype, 0 where masked."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    return tl.load(x_row + ((tokens * s_x_t)[:, None] + (cols * s_x_d)[None, :]), mask=mask, other=0)
+
+
+@triton.jit
 def stage_points(
-    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-    s_x_b, s_x_t, s_x_h, s_x_d, p, tokens, row_mask, cols, col_mask,
+    x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+    p, tokens, row_mask, cols, col_mask,
     STAGE: tl.constexpr, D: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
-    """Points ``tokens`` of problem ``p`` at stage ``STAGE`` (x minus the first STAGE stages' centroids),
-    float32 [BLOCK, D_PAD], 0 where masked. ``p`` is int64."""
-    item, b, h = problem_of(p, heads, batch)
-    rows = item_value(items_ptr, item, X) + b * s_x_b + h * s_x_h + tokens.to(tl.int64) * s_x_t
-    mask = row_mask[:, None] & col_mask[None, :]
-    r = tl.load(x_ptr + rows[:, None] + (cols * s_x_d)[None, :], mask=mask, other=0).to(tl.float32)
+    """Points ``tokens`` of problem ``p`` (int64; its first point at ``x_row``) at stage ``STAGE``: x minus
+    the first STAGE stages' centroids, float32 [BLOCK, D_PAD], 0 where masked."""
+    r = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d).to(tl.float32)
     for t in tl.static_range(STAGE):
-        ids = tl.load(ids_ptr + (t * n_problems + p) * n_points + tokens, mask=row_mask, other=0).to(tl.int64)
+        ids = tl.load(ids_ptr + (t * n_problems + p) * n_points + tokens, mask=row_mask, other=0)
         r = r - stage_rows(
-            t, p, ids, row_mask, cols, col_mask, tables_ptr, tscales_ptr, n_centroids, n_problems,
+            tables_ptr, tscales_ptr, t, p, ids, row_mask, cols, col_mask, n_centroids, n_problems,
             D, CENT_SCALED, PER_CENTROID,
         )
     return r
@@ -149,8 +189,8 @@ def strided_tokens(ks, n_points, n_centroids):
 
 @triton.jit
 def working_rows(
-    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-    s_x_b, s_x_t, s_x_h, s_x_d, cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
+    x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+    cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
     STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, D: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
@@ -158,14 +198,12 @@ def working_rows(
     init's points when ``FROM_POINTS`` (the first iteration of a stage), else the working table."""
     if FROM_POINTS:
         return stage_points(
-            x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-            s_x_b, s_x_t, s_x_h, s_x_d, p, strided_tokens(ks, n_points, n_centroids), k_mask, cols, col_mask,
-            STAGE, D, CENT_SCALED, PER_CENTROID,
+            x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+            p, strided_tokens(ks, n_points, n_centroids), k_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
         )
     else:
         mask = k_mask[:, None] & col_mask[None, :]
-        offsets = p * s_c_p + ks[:, None].to(tl.int64) * s_c_k + (cols * s_c_d)[None, :]
-        return tl.load(cent_ptr + offsets, mask=mask, other=0)
+        return tl.load(cent_ptr + p * s_c_p + ((ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]), mask=mask, other=0)
 
 
 @triton.jit

@@ -1,8 +1,8 @@
 """The encoder's last launch: residual codes, and every store of the write.
 
 Per block of tokens of one problem: the residual ``r = x - C_0[id_0] - ...`` (from the problem set's ids
-and stage tables), the head's power-of-two shift (from the largest scale need of its token blocks, which the
-final assignment wrote), then per group every scale candidate rounded to the scale format, its codes and
+and stage tables), the head's power-of-two shift (from the head's largest scale need, which the final
+assignment folded in), then per group every scale candidate rounded to the scale format, its codes and
 squared error, the best candidate (ties to the larger scale), and the packed codes. The arithmetic is the
 reference's (:func:`~diffusers_qvg.codecs.groups.quantize_groups`); only the order of each error's float32
 sum differs, so a group whose two best candidates tie to within rounding may pick the other one.
@@ -37,11 +37,9 @@ from ..format import QVGPacked
 from . import as_bits, centroid_scale_operand
 from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TAG, TOKEN_START, ZEROS, Problems
-from .problems import item_value, problem_of, stage_points
+from .problems import item_value, problem_of, problem_points, stage_points
 
 BLOCK_TOKENS = 16
-BLOCK_COPY = 32  # centroid rows per step of the table copy
-BLOCK_NEEDS = 128  # scale needs reduced per step
 
 
 @triton.jit
@@ -80,11 +78,18 @@ def _levels(g, step, zero_f, LOW: tl.constexpr, QMAX: tl.constexpr, TERNARY: tl.
         return tl.where(step > 0, tl.minimum(tl.maximum(rint(y), LOW + 0.0), QMAX + 0.0), 0.0)
 
 
-@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b", "need_blocks"])
+@triton.jit
+def _gated(mask, ok):
+    """``mask`` where this write may store (``ok`` a scalar, or True ungated), else nothing. (``tl.where``: the
+    interpreter cannot ``&`` a loaded scalar with a tensor.)"""
+    return tl.where(ok, mask, False)
+
+
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
 def _residual_codes_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    need_ptr, need_blocks, alpha_ptr, status_ptr, tbits_ptr,
+    need_ptr, alpha_ptr, status_ptr, tbits_ptr,
     codes_ptr, scales_ptr, zeros_ptr, sids_ptr, scent_ptr, scscale_ptr, shift_ptr,
     s_codes_b, s_codes_t, s_codes_h, s_codes_c,
     s_scales_b, s_scales_t, s_scales_h, s_scales_g,
@@ -96,7 +101,7 @@ def _residual_codes_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BITS: tl.constexpr,
     TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
     FMT_MAX: tl.constexpr, CANDIDATES: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr,
-    PER_CENTROID: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr,
+    PER_CENTROID: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
     item, b, h = problem_of(p, heads, batch)
@@ -104,9 +109,10 @@ def _residual_codes_kernel(
     row_mask = tokens < n_points
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
+    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
     r = stage_points(
-        x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
-        s_x_b, s_x_t, s_x_h, s_x_d, p, tokens, row_mask, cols, col_mask, STAGES, D, CENT_SCALED, PER_CENTROID,
+        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+        p, tokens, row_mask, cols, col_mask, STAGES, D, CENT_SCALED, PER_CENTROID,
     )
     G_PAD: tl.constexpr = D_PAD // GROUP
     MANTISSA: tl.constexpr = 3 if SCALE_E4M3 else 10
@@ -114,11 +120,7 @@ def _residual_codes_kernel(
     LOW: tl.constexpr = -QMAX if SYMMETRIC else 0
     TERNARY: tl.constexpr = SYMMETRIC and QMAX == 1
 
-    need = tl.zeros([BLOCK_NEEDS], tl.float32)
-    for j0 in range(0, need_blocks, BLOCK_NEEDS):
-        j = j0 + tl.arange(0, BLOCK_NEEDS)
-        need = tl.maximum(need, tl.load(need_ptr + p * need_blocks + j, mask=j < need_blocks, other=0))
-    shift = pow2_at_least(tl.math.div_rn(tl.max(need, axis=0), FMT_MAX + 0.0))
+    shift = pow2_at_least(tl.math.div_rn(tl.load(need_ptr + p), FMT_MAX + 0.0))
     inv_shift = pow2(-exponent(shift))  # exact: the shift is a normal power of two at most 2^51
 
     g = tl.reshape(r, (BLOCK, G_PAD, GROUP))
@@ -160,24 +162,23 @@ def _residual_codes_kernel(
     if GATED:
         status = tl.load(status_ptr)
         ok = (status == 0) | (status > item_value(items_ptr, item, TAG).to(tl.float64))
-    token_start = item_value(items_ptr, item, TOKEN_START)
+    first = item_value(items_ptr, item, TOKEN_START)  # the segment's first token in the storage
     slot = item_value(items_ptr, item, SLOT)
-    stored = token_start + tokens.to(tl.int64)
     groups = tl.arange(0, G_PAD)
-    mask = (row_mask[:, None] & (groups * GROUP < D)[None, :]) & ok
-    scale_at = item_value(items_ptr, item, SCALES) + (b * s_scales_b + stored * s_scales_t + h * s_scales_h)[:, None]
-    scale_at += (groups * s_scales_g)[None, :]
+    mask = _gated(row_mask[:, None] & (groups * GROUP < D)[None, :], ok)
+    scale_row = scales_ptr + item_value(items_ptr, item, SCALES) + b * s_scales_b + h * s_scales_h + first * s_scales_t
+    scale_at = (tokens * s_scales_t)[:, None] + (groups * s_scales_g)[None, :]
     if SCALE_E4M3:
-        tl.store(scales_ptr + scale_at, f32_to_e4m3(best_s).to(tl.uint8), mask=mask)
+        tl.store(scale_row + scale_at, f32_to_e4m3(best_s).to(tl.uint8), mask=mask)
     else:
-        tl.store(scales_ptr + scale_at, best_s.to(tl.float16), mask=mask)
+        tl.store(scale_row + scale_at, best_s.to(tl.float16), mask=mask)
     if not SYMMETRIC:
-        zero_at = item_value(items_ptr, item, ZEROS) + (b * s_zeros_b + stored * s_zeros_t + h * s_zeros_h)[:, None]
-        zero_at += (groups * s_zeros_g)[None, :]
+        zero_row = zeros_ptr + item_value(items_ptr, item, ZEROS) + b * s_zeros_b + h * s_zeros_h + first * s_zeros_t
+        zero_at = (tokens * s_zeros_t)[:, None] + (groups * s_zeros_g)[None, :]
         if SCALE_E4M3:
-            tl.store(zeros_ptr + zero_at, f32_to_e4m3(zero).to(tl.uint8), mask=mask)
+            tl.store(zero_row + zero_at, f32_to_e4m3(zero).to(tl.uint8), mask=mask)
         else:
-            tl.store(zeros_ptr + zero_at, zero.to(tl.float16), mask=mask)
+            tl.store(zero_row + zero_at, zero.to(tl.float16), mask=mask)
 
     within = tl.arange(0, GROUP)
     if TRITS:
@@ -188,26 +189,25 @@ def _residual_codes_kernel(
         weight = 1 << (BITS * (8 // BITS - 1 - within % (8 // BITS)))
         byte_of = within // (8 // BITS)
     weighted = u * weight[None, None, :]
-    code_at = item_value(items_ptr, item, CODES) + (b * s_codes_b + stored * s_codes_t + h * s_codes_h)[:, None]
-    code_at += (groups * GROUP_BYTES * s_codes_c)[None, :]
+    code_row = codes_ptr + item_value(items_ptr, item, CODES) + b * s_codes_b + h * s_codes_h + first * s_codes_t
+    code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
     for k in tl.static_range(GROUP_BYTES):
         byte = tl.sum(tl.where((byte_of == k)[None, None, :], weighted, 0), axis=2)
-        tl.store(codes_ptr + code_at + k * s_codes_c, byte.to(tl.uint8), mask=mask)
+        tl.store(code_row + (code_at + k * s_codes_c), byte.to(tl.uint8), mask=mask)
 
-    id_at = item_value(items_ptr, item, IDS) + b * s_ids_b + stored * s_ids_t + h * s_ids_h
+    id_row = sids_ptr + item_value(items_ptr, item, IDS) + b * s_ids_b + h * s_ids_h + first * s_ids_t
     for t in tl.static_range(STAGES):
         ids = tl.load(ids_ptr + (t * n_problems + p) * n_points + tokens, mask=row_mask, other=0)
-        tl.store(sids_ptr + id_at + t * s_ids_s, ids, mask=row_mask & ok)
+        tl.store(id_row + (tokens * s_ids_t + t * s_ids_s), ids, mask=_gated(row_mask, ok))
 
-    if tl.program_id(0) == 0:
-        shift_at = item_value(items_ptr, item, SHIFT) + slot * s_shift_slot + b * s_shift_b + h * s_shift_h
-        tl.store(shift_ptr + shift_at, shift, mask=ok)
-        _store_tables(
-            tbits_ptr, tscales_ptr, scent_ptr, scscale_ptr, items_ptr, item, slot, b, h, p, n_centroids, n_problems,
-            s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
-            s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k, ok,
-            D, D_PAD, STAGES, CENT_SCALED, PER_CENTROID,
-        )
+    shift_at = item_value(items_ptr, item, SHIFT) + slot * s_shift_slot + b * s_shift_b + h * s_shift_h
+    tl.store(shift_ptr + shift_at, shift, mask=_gated(tl.program_id(0) == 0, ok))
+    _store_tables(
+        tbits_ptr, tscales_ptr, scent_ptr, scscale_ptr, items_ptr, item, slot, b, h, p, n_centroids, n_problems,
+        s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
+        s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k, ok,
+        D, D_PAD, STAGES, CENT_SCALED, PER_CENTROID,
+    )
 
 
 @triton.jit
@@ -217,25 +217,25 @@ def _store_tables(
     s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k, ok,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
-    """Copy problem ``p``'s stage tables (stored bits) and their scales from the scratch into the slot."""
+    """Copy problem ``p``'s stage tables (stored bits) and their scales from the scratch into the slot: the
+    token programs share the rows (row ``j`` of the ``STAGES * K`` goes to program ``j mod programs``), so
+    every program runs the same code."""
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    cent_at = item_value(items_ptr, item, CENT) + slot * s_cent_slot + b * s_cent_b + h * s_cent_h
+    cent_row = scent_ptr + item_value(items_ptr, item, CENT) + slot * s_cent_slot + b * s_cent_b + h * s_cent_h
     cscale_at = item_value(items_ptr, item, CSCALE) + slot * s_cscale_slot + b * s_cscale_b + h * s_cscale_h
-    for t in tl.static_range(STAGES):
+    for row in range(tl.program_id(0), STAGES * n_centroids, tl.num_programs(0)):
+        t = row // n_centroids
+        k = row % n_centroids
         table = (t * n_problems + p) * n_centroids
-        for k0 in range(0, n_centroids, BLOCK_COPY):
-            ks = k0 + tl.arange(0, BLOCK_COPY)
-            k_mask = ks < n_centroids
-            mask = (k_mask[:, None] & col_mask[None, :]) & ok
-            rows = tl.load(tbits_ptr + ((table + ks) * D)[:, None] + cols[None, :], mask=mask)
-            at = cent_at + t * s_cent_stage + ks[:, None].to(tl.int64) * s_cent_k + (cols * s_cent_d)[None, :]
-            tl.store(scent_ptr + at, rows, mask=mask)
-            if CENT_SCALED and PER_CENTROID:
-                scales = tl.load(tscales_ptr + table + ks, mask=k_mask & ok)
-                tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + ks * s_cscale_k, scales, mask=k_mask & ok)
-        if CENT_SCALED and not PER_CENTROID:
-            tl.store(scscale_ptr + cscale_at + t * s_cscale_stage, tl.load(tscales_ptr + t * n_problems + p), mask=ok)
+        bits = tl.load(tbits_ptr + (table + k) * D + cols, mask=_gated(col_mask, ok))
+        tl.store(cent_row + t * s_cent_stage + k * s_cent_k + cols * s_cent_d, bits, mask=_gated(col_mask, ok))
+        if CENT_SCALED:
+            if PER_CENTROID:
+                scale = tl.load(tscales_ptr + table + k)
+            else:
+                scale = tl.load(tscales_ptr + t * n_problems + p)
+            tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + k * s_cscale_k, scale, mask=ok)
 
 
 def launch_codes(problems: Problems, storage: QVGPacked, alphas: torch.Tensor, status: torch.Tensor | None) -> None:
@@ -248,7 +248,7 @@ def launch_codes(problems: Problems, storage: QVGPacked, alphas: torch.Tensor, s
     zeros = storage.zeros if storage.zeros is not None else storage.scales
     D = pr.head_dim
     _residual_codes_kernel[(triton.cdiv(pr.tokens, BLOCK_TOKENS), pr.count)](
-        *pr.point_args(), pr.need, pr.need.shape[1], alphas, status if status is not None else alphas,
+        *pr.point_args(), pr.need, alphas, status if status is not None else alphas,
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
@@ -257,5 +257,5 @@ def launch_codes(problems: Problems, storage: QVGPacked, alphas: torch.Tensor, s
         BITS=cfg.bits, TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
         CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=status is not None, BLOCK=BLOCK_TOKENS,
-        enable_fp_fusion=False, **pr.table_flags(),
+        enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
