@@ -50,10 +50,7 @@ class WriteStatus:
         A handful of small device ops, no host read. ``what`` names the write in the eventual error.
         Returns the write's tag (1, 2, ... in the order of the checks; see :meth:`allows`).
         """
-        if x.device != self.device:
-            raise ValueError(f"{what} is on {x.device} but the cache's write status is on {self.device}")
-        self.messages.append((what, limit, tuple(message for _, message in must_hold)))
-        tag = float(len(self.messages))
+        tag = float(self.register(x, what, limit, [message for _, message in must_hold]))
         amax = x.detach().abs().amax().double()
         reason = torch.where(torch.isfinite(amax), float(TOO_LARGE), float(NONFINITE))
         bad = ~torch.isfinite(amax)
@@ -66,6 +63,18 @@ class WriteStatus:
         fail = bad & (self.tensor[TAG] == 0)
         record = torch.stack([amax.new_tensor(tag), reason.double(), amax])
         self.tensor.copy_(torch.where(fail, record, self.tensor))
+        return len(self.messages)
+
+    def register(self, x: torch.Tensor, what: str, limit: float | None, conditions: Sequence[str] = ()) -> int:
+        """The host half of :meth:`check`: give the write its tag and remember its messages, no device op.
+
+        Kernels that fold the check into their own passes call this instead of :meth:`check` and then
+        write the record themselves, by the same rule: if ``tensor[TAG] == 0`` and the write fails, store
+        ``(tag, reason, amax)`` with reason NONFINITE, TOO_LARGE or ``CONDITION + i``.
+        """
+        if x.device != self.device:
+            raise ValueError(f"{what} is on {x.device} but the cache's write status is on {self.device}")
+        self.messages.append((what, limit, tuple(conditions)))
         return len(self.messages)
 
     def ok(self) -> torch.Tensor:

@@ -247,13 +247,19 @@ class QVGConfig(CodecConfig):
                     self.check_values(x, what, must_hold)
                 except ValueError:
                     if writes:  # as one quantize_into after another: the items before the bad one are written
-                        quantize_writes(self, writes, None, triton=triton)
+                        quantize_writes(self, writes, triton=triton)
                     raise
                 tag = 0
+            elif triton:  # the kernels check the values themselves (no PyTorch op), and apply the conditions
+                tag = status.register(x, what, self.max_abs_input, [message for _, message in must_hold])
             else:
                 tag = status.check(x, what, self.max_abs_input, must_hold)
             writes.append(Write(storage, x, token_start, slot, tag, warm if self.stages else None))
-        quantize_writes(self, writes, status, triton=triton)
+        holds = None
+        if triton and status is not None and any(conditions):
+            true = torch.ones((), dtype=torch.bool, device=status.device)
+            holds = torch.stack([c[0][0] if c else true for c in conditions]).to(torch.int32)
+        quantize_writes(self, writes, status, holds, triton=triton)
 
     def dequantize_into(self, storage: Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         from .backend import dequantize_into

@@ -77,19 +77,26 @@ class Write(NamedTuple):
 
 
 def quantize_writes(
-    config: QVGConfig, writes: Sequence[Write], status: WriteStatus | None = None, *, triton: bool
+    config: QVGConfig,
+    writes: Sequence[Write],
+    status: WriteStatus | None = None,
+    holds: torch.Tensor | None = None,
+    *,
+    triton: bool,
 ) -> None:
     """Pack ``writes`` (validated by :meth:`QVGConfig.quantize_batch_into`, values checked): the Triton
     encoder (``triton``: see :func:`.backend.use_triton_encoder`) packs them all in one launch sequence; the
     reference packs them one by one.
 
-    With a ``status``, the writes were checked on the device (each got its tag) and write ``i`` may store only
-    while ``status.allows(tag_i)``: the kernels read that on the device; the reference reads it on the host.
+    With a ``status``, each write has its tag. For the reference they were checked (:meth:`WriteStatus.check`)
+    and write ``i`` stores only while ``status.allows(tag_i)``, read on the host; the Triton kernels check
+    the values themselves (``holds``: int32 [I], 0 where a write's warm-start condition fails) and gate every
+    store on the device, by the same rule.
     """
     if triton:
         from .triton.encoder import encode
 
-        encode(config, writes, None if status is None else status.tensor)
+        encode(config, writes, None if status is None else status.tensor, holds)
         return
     for write in writes:
         if status is None or bool(status.allows(write.tag)):  # free on the CPU; a sync on CUDA

@@ -17,7 +17,9 @@ With ``NEED`` (the last stage's final assignment, or the only pass when there ar
 reduces its block's residual ``r = points - C[id]`` to the largest scale need of its groups (``max |r| / qmax``,
 or ``max((hi - lo) / qmax, |lo|)`` asymmetric) and folds it into the head's need with an atomic max: of
 values >= 0, whose result does not depend on the order (it lowers to an integer max), so it is
-deterministic. The codes kernel turns each head's need into its shift.
+deterministic. The codes kernel turns each head's need into its shift. With ``CHECK`` it also folds the
+block's largest ``|x|`` (+inf for NaN or Inf) into its item's magnitude, the same way: the write check
+(NaN/Inf, magnitude limit) costs no extra pass and no PyTorch op; the codes kernel applies it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ import triton.language as tl
 
 from . import INTERPRETING, check_runnable
 from .numerics import round_to_bf16, round_to_tf32
-from .problems import Problems, exact_dot, exact_format, points_problems, problem_points, stage_points, stage_rows, working_rows
+from .problems import (
+    Problems, exact_dot, exact_format, points_problems, problem_points, stage_inputs, stage_points, stage_rows,
+    working_rows,
+)
 from .quantize import group_needs
 
 BLOCK_POINTS = 64
@@ -49,10 +54,10 @@ def _operand(v, ROUND: tl.constexpr):
 def _assign_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, need_ptr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, need_ptr, magnitude_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, FROM_POINTS: tl.constexpr,
     ROUND: tl.constexpr, FORMAT: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
-    NEED: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
+    NEED: tl.constexpr, CHECK: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
@@ -65,6 +70,14 @@ def _assign_kernel(
         x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
         p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
     )
+    if CHECK:  # the write check: the item's largest |x|, +inf if any value is NaN or Inf
+        if STAGE == 0:
+            x = points
+        else:
+            x = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d).to(tl.float32)
+        magnitude = tl.where(x != x, float("inf"), tl.abs(x))
+        magnitude = tl.where(row_mask[:, None] & col_mask[None, :], magnitude, 0.0)
+        tl.atomic_max(magnitude_ptr + p // (heads * batch), tl.max(tl.max(magnitude, axis=1), axis=0))
     if ASSIGN != "none":
         a = _operand(points, ROUND)
         best = tl.full([BLOCK_N], float("inf"), tl.float32)
@@ -113,14 +126,16 @@ def launch_assign(
     from_points: bool = False,
     precision: str = "tf32x3",
     need: tuple[int, bool, int] | None = None,
+    check: bool = False,
 ) -> None:
     """Assign stage ``stage``'s points; ids go to ``problems.ids[stage]``.
 
     ``mode``: ``"lloyd"`` against the working centroids (the strided init's points when ``from_points``) in
     ``precision``; ``"final"`` against the stage's rounded table, with exact products where the formats allow;
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
-    ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need`` (zeroed
-    by the rounding kernel, or by the caller).
+    ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need``, and
+    ``check`` each item's largest magnitude into ``problems.magnitude`` (both zeroed by the rounding kernel,
+    or by the caller).
     """
     pr = problems
     if mode == "final":
@@ -133,9 +148,9 @@ def launch_assign(
     group, symmetric, qmax = need if need is not None else (pr.head_dim, True, 1)
     D = pr.head_dim
     _assign_kernel[(triton.cdiv(pr.tokens, BLOCK_POINTS), pr.count)](
-        *pr.point_args(), pr.working, *pr.working.stride(), pr.need,
+        *pr.point_args(), pr.working, *pr.working.stride(), pr.need, pr.magnitude,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, FROM_POINTS=from_points,
-        ROUND=rounding, FORMAT=fmt, NEED=need is not None, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
+        ROUND=rounding, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
         BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_stages=1, **pr.flags(),
     )  # fmt: skip
 

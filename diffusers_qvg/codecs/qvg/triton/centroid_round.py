@@ -5,7 +5,7 @@ a power-of-two scale ``2^ceil(log2(amax / 448))`` per centroid or per head, so t
 are rounded to nearest-even; bf16 and fp16 tables are the nearest-even cast; float32 is a copy. This is
 the reference's ``round_centroids`` bit for bit. The stored bits go to the problem set's scratch table; the
 codes kernel copies them into the storage with the rest of the write. Each program also zeroes its
-problem's scale need, which the final assignment folds into.
+problem's scale need and its item's magnitude (the write check), which the final assignment folds into.
 """
 
 from __future__ import annotations
@@ -33,12 +33,14 @@ def _e4m3_bits(c, scale):
 def _centroid_round_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, out_ptr, need_ptr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, out_ptr, need_ptr, magnitude_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, E4M3: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, SOFTWARE_BF16: tl.constexpr, BLOCK_K: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64)
     tl.store(need_ptr + p, 0.0)  # the final assignment folds the head's scale need into it
+    first = (p % (heads * batch)) == 0
+    tl.store(magnitude_ptr + p // (heads * batch), 0.0, mask=first)  # and each item's magnitude
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
     table = (STAGE * n_problems + p) * n_centroids
@@ -81,7 +83,7 @@ def launch_round(problems: Problems, stage: int, *, from_points: bool = False) -
     e4m3 = pr.tables.dtype == torch.float8_e4m3fn
     D = pr.head_dim
     _centroid_round_kernel[(pr.count,)](
-        *pr.point_args(), pr.working, *pr.working.stride(), as_bits(pr.tables), pr.need,
+        *pr.point_args(), pr.working, *pr.working.stride(), as_bits(pr.tables), pr.need, pr.magnitude,
         D=D, D_PAD=triton.next_power_of_2(D), STAGE=stage, FROM_POINTS=from_points, E4M3=e4m3,
         SOFTWARE_BF16=INTERPRETING, BLOCK_K=BLOCK_CENTROIDS, **pr.flags(),
     )  # fmt: skip

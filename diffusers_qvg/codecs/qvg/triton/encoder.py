@@ -40,10 +40,15 @@ def scale_fractions(search: str, device: torch.device) -> torch.Tensor:
     return scale_candidates(search, torch.float32, device)
 
 
-def encode(config: QVGConfig, writes: Sequence[Write], status: torch.Tensor | None = None) -> None:
-    """Pack every write (validated by the caller); ``status``: a write status's tensor to gate the stores on."""
+def encode(
+    config: QVGConfig, writes: Sequence[Write], status: torch.Tensor | None = None, holds: torch.Tensor | None = None
+) -> None:
+    """Pack every write (layouts validated by the caller). ``status``: a write status's tensor: the writes
+    are checked (NaN/Inf, magnitude) inside the kernels and every store is gated on the result, with
+    ``holds`` (int32 [I], 0 where a write's condition fails) if given; None: the values were checked."""
     problems = build_problems(config, writes)
     need = (config.group_size, config.symmetric, config.qmax)
+    check = status is not None
     strided = config.kmeans_init == "strided" and all(w.warm is None for w in writes)
     for t in range(config.stages):
         if not strided:
@@ -52,10 +57,11 @@ def encode(config: QVGConfig, writes: Sequence[Write], status: torch.Tensor | No
             launch_assign(problems, t, "lloyd", from_points=strided and i == 0, precision=config.kmeans_precision)
             launch_update(problems, t, from_points=strided and i == 0)
         launch_round(problems, t, from_points=strided and config.kmeans_iters == 0)
-        launch_assign(problems, t, "final", need=need if t + 1 == config.stages else None)
+        last = t + 1 == config.stages
+        launch_assign(problems, t, "final", need=need if last else None, check=check and last)
     if config.stages == 0:
-        launch_assign(problems, 0, "none", need=need)
-    launch_codes(problems, writes[0].storage, scale_fractions(config.scale_search, problems.x.device), status)
+        launch_assign(problems, 0, "none", need=need, check=check)
+    launch_codes(problems, writes[0].storage, scale_fractions(config.scale_search, problems.x.device), status, holds)
 
 
 def quantize_residual_into(storage: QVGPacked, x: torch.Tensor, alphas: torch.Tensor, *, token_start: int, slot: int) -> None:
@@ -74,7 +80,7 @@ def quantize_residual_into(storage: QVGPacked, x: torch.Tensor, alphas: torch.Te
             problems.table_scales[t].copy_(storage.centroid_scales[slot, t].reshape(B * H, -1))
     problems.need.zero_()
     launch_assign(problems, cfg.stages, "none", need=(cfg.group_size, cfg.symmetric, cfg.qmax))
-    launch_codes(problems, storage, alphas, None)
+    launch_codes(problems, storage, alphas)
 
 
 def build_problems(config: QVGConfig, writes: Sequence[Write]) -> Problems:
@@ -107,7 +113,9 @@ def build_problems(config: QVGConfig, writes: Sequence[Write]) -> Problems:
             if scaled else torch.empty(1, device=device)
         ),
         working=torch.empty(P, K if config.stages else 1, D, device=device),
+        # zeroed by the rounding kernel when there are stages
         need=torch.zeros(P, device=device) if config.stages == 0 else torch.empty(P, device=device),
+        magnitude=torch.zeros(len(writes), device=device) if config.stages == 0 else torch.empty(len(writes), device=device),
         x_align=alignment(xs, xs[0].stride()[0:3:2] if B > 1 else xs[0].stride()[2:3]),
     )  # fmt: skip
     problems.check_offsets()

@@ -9,7 +9,8 @@ number of launches does not depend on I.
 
 Between launches the problems share scratch, problem-major: the working float32 centroids of the Lloyd
 iterations, each stage's rounded table (stored bits, exactly what the storage will hold, and its scales) and
-ids, and each head's residual scale need, which the codes kernel turns into its shift. The points of stage
+ids, each head's residual scale need, which the codes kernel turns into its shift, and each item's largest
+magnitude, the write check the codes kernel applies. The points of stage
 ``t`` are never materialised: ``x - C_0[id_0] - ... - C_{t-1}[id_{t-1}]`` (float32, in that order, as the
 reference subtracts them) is recomputed by every kernel that reads them.
 """
@@ -46,6 +47,7 @@ class Problems:
     table_scales: torch.Tensor  # float32 [stages, P, K or 1] (e4m3 tables), else a dummy
     working: torch.Tensor  # float32 [P, K, D]: the Lloyd iterations' centroids
     need: torch.Tensor  # float32 [P]: each head's largest scale need (before its shift)
+    magnitude: torch.Tensor  # float32 [I]: each item's largest |x| (+inf if any value is NaN/Inf), for the check
     x_align: int = 1  # elements every problem's first point is aligned to (see alignment())
 
     @property
@@ -107,7 +109,7 @@ def points_problems(x: torch.Tensor, num_centroids: int) -> Problems:
         items=torch.zeros(1, COLUMNS.value, dtype=torch.int64, device=x.device),
         num_items=1, batch=P, tokens=N, heads=1, head_dim=D, centroids=num_centroids,
         ids=torch.empty(1, P, N, dtype=torch.int32, device=x.device), tables=dummy, table_scales=dummy.view(1),
-        working=torch.empty(P, num_centroids, D, device=x.device), need=dummy.view(1),
+        working=torch.empty(P, num_centroids, D, device=x.device), need=dummy.view(1), magnitude=dummy.view(1),
         x_align=alignment([x], (x.stride(0),)),
     )  # fmt: skip
     problems.check_offsets()

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import status as write_status
 from ..format import QVGPacked
 from . import as_bits, centroid_scale_operand
 from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_to_format
@@ -40,6 +41,8 @@ from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TAG, TOKEN_
 from .problems import item_value, problem_of, problem_points, stage_points
 
 BLOCK_TOKENS = 16
+# The write status's reasons, for the kernel to record them.
+NONFINITE, TOO_LARGE, CONDITION = (tl.constexpr(r) for r in (write_status.NONFINITE, write_status.TOO_LARGE, write_status.CONDITION))
 
 
 @triton.jit
@@ -85,11 +88,47 @@ def _gated(mask, ok):
     return tl.where(ok, mask, False)
 
 
-@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
+@triton.jit
+def _write_allowed(
+    status_ptr, magnitude_ptr, holds_ptr, items_ptr, item, n_items,
+    LIMIT: tl.constexpr, CONDITIONS: tl.constexpr, BLOCK_ITEMS: tl.constexpr,
+):
+    """Whether this item's write may store, under the write status (see :class:`~...status.WriteStatus`),
+    with the check of this call's items folded in; the first program also records the first failure.
+
+    An item fails if its magnitude is +inf (a NaN or Inf) or above ``LIMIT``, or its condition does not hold.
+    It may store if no earlier write failed (``tag == 0``, or only a later one: ``tag > its tag``) and no
+    item of this call before it (or itself) failed. Programs that read the record after the first program
+    wrote it come to the same answer, so the order does not matter.
+    """
+    failed = tl.load(status_ptr)  # the tag of the first failed write, 0 if none
+    first_bad = n_items
+    for j0 in range(0, n_items, BLOCK_ITEMS):
+        j = j0 + tl.arange(0, BLOCK_ITEMS)
+        valid = j < n_items
+        magnitude = tl.load(magnitude_ptr + j, mask=valid, other=0)
+        bad = (magnitude == float("inf")) | (magnitude > LIMIT)
+        if CONDITIONS:
+            bad = bad | (tl.load(holds_ptr + j, mask=valid, other=1) == 0)
+        first_bad = tl.minimum(first_bad, tl.min(tl.where(bad & valid, j, n_items), axis=0))
+    tag = item_value(items_ptr, item, TAG).to(tl.float64)
+    allowed = tl.where((failed == 0) | (failed > tag), item < first_bad, False)
+
+    record = (failed == 0) & (first_bad < n_items) & (tl.program_id(0) == 0) & (tl.program_id(1) == 0)
+    culprit = tl.minimum(first_bad, n_items - 1)
+    magnitude = tl.load(magnitude_ptr + culprit)
+    reason = tl.where(magnitude == float("inf"), NONFINITE, tl.where(magnitude > LIMIT, TOO_LARGE, CONDITION))
+    tl.store(status_ptr + 1, reason.to(tl.float64), mask=record)
+    tl.store(status_ptr + 2, magnitude.to(tl.float64), mask=record)
+    tl.store(status_ptr, item_value(items_ptr, culprit, TAG).to(tl.float64), mask=record)
+    return allowed
+
+
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b", "n_items"])
 def _residual_codes_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    need_ptr, alpha_ptr, status_ptr, tbits_ptr,
+    need_ptr, alpha_ptr, status_ptr, magnitude_ptr, holds_ptr, n_items, tbits_ptr,
     codes_ptr, scales_ptr, zeros_ptr, sids_ptr, scent_ptr, scscale_ptr, shift_ptr,
     s_codes_b, s_codes_t, s_codes_h, s_codes_c,
     s_scales_b, s_scales_t, s_scales_h, s_scales_g,
@@ -101,7 +140,8 @@ def _residual_codes_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BITS: tl.constexpr,
     TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
     FMT_MAX: tl.constexpr, CANDIDATES: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr,
-    PER_CENTROID: tl.constexpr, GATED: tl.constexpr, BLOCK: tl.constexpr, X_ALIGN: tl.constexpr,
+    PER_CENTROID: tl.constexpr, GATED: tl.constexpr, LIMIT: tl.constexpr, CONDITIONS: tl.constexpr,
+    BLOCK: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
     item, b, h = problem_of(p, heads, batch)
@@ -160,8 +200,7 @@ def _residual_codes_kernel(
     # The stores: nothing unless this item's write is clean.
     ok = True
     if GATED:
-        status = tl.load(status_ptr)
-        ok = (status == 0) | (status > item_value(items_ptr, item, TAG).to(tl.float64))
+        ok = _write_allowed(status_ptr, magnitude_ptr, holds_ptr, items_ptr, item, n_items, LIMIT, CONDITIONS, 64)
     first = item_value(items_ptr, item, TOKEN_START)  # the segment's first token in the storage
     slot = item_value(items_ptr, item, SLOT)
     groups = tl.arange(0, G_PAD)
@@ -238,17 +277,26 @@ def _store_tables(
             tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + k * s_cscale_k, scale, mask=ok)
 
 
-def launch_codes(problems: Problems, storage: QVGPacked, alphas: torch.Tensor, status: torch.Tensor | None) -> None:
-    """Write every field of each item's segment: the residual codes from ``problems`` (ids, stage tables and
-    scale needs already computed), and the stages' ids and tables. ``storage`` is item 0's (the item table
-    holds the others' offsets); ``alphas`` (float32 on the device) are the scale fractions to try, largest
-    first; ``status`` is a write status's tensor, or None for an unchecked write."""
+def launch_codes(
+    problems: Problems,
+    storage: QVGPacked,
+    alphas: torch.Tensor,
+    status: torch.Tensor | None = None,
+    holds: torch.Tensor | None = None,
+) -> None:
+    """Write every field of each item's segment: the residual codes from ``problems`` (ids, stage tables, scale
+    needs and magnitudes already computed), and the stages' ids and tables. ``storage`` is item 0's (the item
+    table holds the others' offsets); ``alphas`` (float32 on the device) are the scale fractions to try,
+    largest first. ``status``: a write status's tensor, to check the items against and gate the stores on
+    (None: an unchecked write); ``holds``: int32 [I], 0 where an item's condition (its warm start) fails."""
     pr, cfg = problems, storage.config
     cscale, cscale_strides = centroid_scale_operand(storage)
     zeros = storage.zeros if storage.zeros is not None else storage.scales
     D = pr.head_dim
+    limit = cfg.max_abs_input
     _residual_codes_kernel[(triton.cdiv(pr.tokens, BLOCK_TOKENS), pr.count)](
-        *pr.point_args(), pr.need, alphas, status if status is not None else alphas,
+        *pr.point_args(), pr.need, alphas, status if status is not None else alphas, pr.magnitude,
+        holds if holds is not None else pr.magnitude, pr.num_items,
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
@@ -256,6 +304,7 @@ def launch_codes(problems: Problems, storage: QVGPacked, alphas: torch.Tensor, s
         D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes,
         BITS=cfg.bits, TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
-        CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=status is not None, BLOCK=BLOCK_TOKENS,
+        CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=status is not None,
+        LIMIT=float("inf") if limit is None else float(limit), CONDITIONS=holds is not None, BLOCK=BLOCK_TOKENS,
         enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
