@@ -151,7 +151,7 @@ def launch_assign(
         *pr.point_args(), pr.working, *pr.working.stride(), pr.need, pr.magnitude,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, FROM_POINTS=from_points,
         ROUND=rounding, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
-        BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_stages=1, **pr.flags(),
+        BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_stages=1, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
 
 

@@ -85,5 +85,5 @@ def launch_round(problems: Problems, stage: int, *, from_points: bool = False) -
     _centroid_round_kernel[(pr.count,)](
         *pr.point_args(), pr.working, *pr.working.stride(), as_bits(pr.tables), pr.need, pr.magnitude,
         D=D, D_PAD=triton.next_power_of_2(D), STAGE=stage, FROM_POINTS=from_points, E4M3=e4m3,
-        SOFTWARE_BF16=INTERPRETING, BLOCK_K=BLOCK_CENTROIDS, **pr.flags(),
+        SOFTWARE_BF16=INTERPRETING, BLOCK_K=BLOCK_CENTROIDS, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip

@@ -96,7 +96,7 @@ def launch_update(problems: Problems, stage: int, *, from_points: bool = False) 
         *pr.point_args(), pr.working, *pr.working.stride(),
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, FROM_POINTS=from_points,
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
-        BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_warps=8, **pr.flags(),
+        BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_warps=8, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
 
 
