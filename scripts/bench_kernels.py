@@ -123,8 +123,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import diffusers_qvg as dq
     from diffusers_qvg.codecs.qvg import backend
-    from diffusers_qvg.codecs.qvg.backend import encoder_ops
     from diffusers_qvg.codecs.qvg.kmeans import kmeans_init
+    from diffusers_qvg.codecs.qvg.triton.assign import assign as triton_assign
+    from diffusers_qvg.codecs.qvg.triton.centroid_update import lloyd as triton_lloyd
+    from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into, scale_fractions
+    from diffusers_qvg.codecs.status import WriteStatus
     from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_into as triton_dequantize
     from diffusers_qvg.video_kv import VideoKVSpec
 
@@ -145,35 +148,51 @@ def main(argv: list[str] | None = None) -> None:
     def timed(fn):
         return median_ms(fn, device, repeats, warmup)
 
-    # ---- Quantize one chunk tensor (K before RoPE, chunk 0) ----
+    # ---- Quantize one chunk tensor (K before RoPE, chunk 0); a layer's K and V in one batched call ----
     x = data["key"][:, :n].contiguous()
+    v = data["value"][:, :n].contiguous()
     for name, config in configs.items():
         storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
         with backend("triton"):
-            ops = encoder_ops(config, x)
-
             no_kmeans = config.with_(kmeans_iters=0, kmeans_init="strided")
             for label, c, target in ((f"init {config.kmeans_init} + {config.kmeans_iters} Lloyd iters", config, None),
                                      ("no k-means: strided init, 0 iters", no_kmeans, QUANTIZE_TARGET_MS)):
                 own = c.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
                 row("quantize", f"{name}: whole encoder, {label}",
                     timed(lambda: c.quantize_into(own, x, token_start=0, slot=0)), target=target,
-                    note="codec verb: input validation included")
+                    note="codec verb: input validation included (values checked on the host: 1 sync)")
+            kv = [config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
+                  for _ in range(2)]
+            status = WriteStatus(device)
+            row("quantize", f"{name}: K and V of a layer, one quantize_batch_into call (ours)",
+                timed(lambda: config.quantize_batch_into([(kv[0], x, 0, 0), (kv[1], v, 0, 0)], status=status)),
+                note="as the cache writes: a write status, checked in the kernels, no sync; "
+                     f"{max(config.stages * (2 * config.kmeans_iters + 2), 1) + 1} launches")
+            row("quantize", f"{name}: K and V of a layer, two quantize_into calls (ours)",
+                timed(lambda: [config.quantize_into(s, t, token_start=0, slot=0, status=status) for s, t in zip(kv, (x, v))]),
+                note="the same writes one by one")
             config.quantize_into(storage, x, token_start=0, slot=0)  # ids and centroids for the residual kernels
+            alphas = scale_fractions(config.scale_search, device)
             row("quantize", f"{name}: residual codes, 2 launches (ours)",
-                timed(lambda: ops.write_residual(storage, x, token_start=0, slot=0)))
+                timed(lambda: quantize_residual_into(storage, x, alphas, token_start=0, slot=0)),
+                note="scale-need pass + codes kernel, from the segment's ids and centroids")
             points = x.float().permute(0, 2, 1, 3).reshape(H, n, D)
             table = kmeans_init(points, config.centroids, "strided", torch.Generator(device=device))
-            row("quantize", f"{name}: nearest-centroid assignment (ours)", timed(lambda: ops.assign(points, table)))
-            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours)",
-                timed(lambda: ops.lloyd(points, table, config.kmeans_iters)))
+            row("quantize", f"{name}: nearest-centroid assignment (ours)", timed(lambda: triton_assign(points, table)))
+            for precision in ("tf32x3", "bf16"):
+                row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours, {precision})",
+                    timed(lambda: triton_lloyd(points, table, config.kmeans_iters, precision)),
+                    note="float32 points: the update splits them into 3 exact bf16 parts (the encoder's bf16 input: 1)")
         if device.type == "cuda":
-            from flash_kmeans import batch_kmeans_Euclid
+            try:
+                from flash_kmeans import batch_kmeans_Euclid
 
-            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, flash-kmeans batch_kmeans_Euclid",
-                timed(lambda: batch_kmeans_Euclid(points, config.centroids, max_iters=config.kmeans_iters, tol=0.0,
-                                                  init_centroids=table.clone())),
-                note="fp32 atomics (non-deterministic), host sync per iteration")
+                flash = timed(lambda: batch_kmeans_Euclid(points, config.centroids, max_iters=config.kmeans_iters,
+                                                          tol=0.0, init_centroids=table.clone()))
+                note = "fp32 atomics (non-deterministic), host sync per iteration"
+            except Exception as error:  # a third-party kernel failing must not cost the rows after it
+                flash, note = None, f"flash-kmeans does not run here: {type(error).__name__}: {error}"
+            row("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, flash-kmeans batch_kmeans_Euclid", flash, note=note)
     if device.type == "cuda":
         run, note = official_quantize(x)
         row("quantize", "official quant-videogen: whole quantize, per tensor", None if run is None else timed(run) / 2, note=note)

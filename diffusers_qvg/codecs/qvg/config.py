@@ -40,9 +40,11 @@ class QVGConfig(CodecConfig):
             K sequential steps, ~1,500 small launches per tensor on a GPU: for offline or CPU use) or
             ``"random"`` (the official uniform-with-replacement init, here on a private generator).
         kmeans_precision: the format the Lloyd iterations' assignments multiply points and centroids in:
-            ``"tf32x3"`` (about float32; three TF32 tensor-core passes), or ``"tf32"`` / ``"bf16"``: both
-            operands rounded to nearest-even in that format, then one exact pass (3x / 6x the tensor-core
-            rate of ``"tf32x3"``). The final assignment against the stored table is exact in any case.
+            ``"bf16"`` (the default: both operands rounded to nearest-even bf16, then one exact tensor-core
+            pass, 6x the rate of ``"tf32x3"``; on video-derived K/V its codec quality equals ``"tf32x3"``'s,
+            docs/benchmarks.md), ``"tf32"`` (the same in TF32, 2x) or ``"tf32x3"`` (about float32: three TF32
+            passes; flash-kmeans on the reference path). The final assignment against the stored table is
+            exact in any case.
         stages: progressive residual stages (1 = QVG, 4 = QVG-Pro).
         centroid_dtype: stored centroid precision; ``"e4m3"`` carries a power-of-two scale per centroid
             or per head (``centroid_scale``; per head by default: e4m3's own exponent covers the head's range,
@@ -62,7 +64,7 @@ class QVGConfig(CodecConfig):
     num_centroids: int | None = None
     kmeans_iters: int = 5
     kmeans_init: Literal["kmeans++", "strided", "random"] = "strided"
-    kmeans_precision: Literal["tf32x3", "tf32", "bf16"] = "tf32x3"
+    kmeans_precision: Literal["tf32x3", "tf32", "bf16"] = "bf16"
     stages: int = 1
     centroid_dtype: CentroidDType = "e4m3"
     centroid_scale: Literal["centroid", "head"] = "head"
@@ -107,7 +109,8 @@ class QVGConfig(CodecConfig):
 
     @classmethod
     def official(cls, bits: int = 2) -> "QVGConfig":
-        """The official ``quant-videogen`` settings: absmax scales, 2-bit packing, bf16 centroids, T=2."""
+        """The official ``quant-videogen`` settings: absmax scales, 2-bit packing, bf16 centroids, T=2, and
+        float32-accurate k-means (as flash-kmeans computes it)."""
         return cls(
             bits=bits,
             packing="bits",
@@ -115,6 +118,7 @@ class QVGConfig(CodecConfig):
             num_centroids=256,
             kmeans_iters=2,
             kmeans_init="random",
+            kmeans_precision="tf32x3",
             centroid_dtype="bfloat16",
         )
 
