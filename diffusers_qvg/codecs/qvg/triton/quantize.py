@@ -25,9 +25,17 @@ float32, and otherwise ``q = sign(r)`` (any other rounding is clamped to +-1). T
 ``(r - q step)^2`` is then ``(|r| - step)^2`` or ``r^2``, the same float32 value (negation is exact). The
 scale candidates ``alpha extent / qmax / shift`` need no division either: ``/ 1`` is exact and dividing by a
 power of two is multiplying by its (exact) inverse, both the correctly rounded result of the same number.
+
+Fused multiply-adds. Every product this kernel adds to something is exact (a centroid times its power-of-two
+scale, a small code level times a step, a scale times the shift, the rounding helpers' power-of-two
+scalings), so contracting it into an FMA cannot change the result; the squared errors are the only rounded
+products, and their sums are already in an order of the hardware's. So the kernel compiles with FMA
+contraction, which fuses the squares into the error sums.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -35,10 +43,10 @@ import triton.language as tl
 
 from ... import status as write_status
 from ..format import QVGPacked
-from . import as_bits, centroid_scale_operand
+from . import INTERPRETING, as_bits, centroid_scale_operand
 from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TAG, TOKEN_START, ZEROS, Problems
-from .problems import item_value, problem_of, problem_points, stage_points
+from .problems import exact_dot, item_value, problem_of, problem_points, stage_points
 
 BLOCK_TOKENS = 16
 # The write status's reasons, for the kernel to record them.
@@ -71,10 +79,16 @@ def _scale(alpha, extent, inv_shift, QMAX: tl.constexpr, FMT_MAX: tl.constexpr, 
 
 
 @triton.jit
+def _ternary_threshold(step):
+    """Where ternary codes turn from 0 to +-1 (module docstring): ``|r| > step / 2``; never where ``step == 0``."""
+    return tl.where(step > 0, step * 0.5, float("inf"))
+
+
+@triton.jit
 def _levels(g, step, zero_f, LOW: tl.constexpr, QMAX: tl.constexpr, TERNARY: tl.constexpr):
     """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0``."""
     if TERNARY:
-        return tl.where((tl.abs(g) > step * 0.5) & (step > 0), tl.where(g > 0, 1.0, -1.0), 0.0)
+        return tl.where(tl.abs(g) > _ternary_threshold(step), tl.where(g > 0, 1.0, -1.0), 0.0)
     else:
         y = tl.math.div_rn(g - zero_f, tl.where(step > 0, step, 1.0))
         y = tl.minimum(tl.maximum(y, LOW - 1.0), QMAX + 1.0)  # rint is exact below 2^22
@@ -128,7 +142,7 @@ def _write_allowed(
 def _residual_codes_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    need_ptr, alpha_ptr, status_ptr, magnitude_ptr, holds_ptr, n_items, tbits_ptr,
+    need_ptr, alpha_ptr, status_ptr, magnitude_ptr, holds_ptr, n_items, pack_ptr, tbits_ptr,
     codes_ptr, scales_ptr, zeros_ptr, sids_ptr, scent_ptr, scscale_ptr, shift_ptr,
     s_codes_b, s_codes_t, s_codes_h, s_codes_c,
     s_scales_b, s_scales_t, s_scales_h, s_scales_g,
@@ -137,11 +151,11 @@ def _residual_codes_kernel(
     s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
     s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
     s_shift_slot, s_shift_b, s_shift_h,
-    D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BITS: tl.constexpr,
-    TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BYTES_PAD: tl.constexpr,
+    PER_BYTE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
     FMT_MAX: tl.constexpr, CANDIDATES: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr,
     PER_CENTROID: tl.constexpr, GATED: tl.constexpr, LIMIT: tl.constexpr, CONDITIONS: tl.constexpr,
-    BLOCK: tl.constexpr, X_ALIGN: tl.constexpr,
+    BLOCK: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
     item, b, h = problem_of(p, heads, batch)
@@ -180,8 +194,8 @@ def _residual_codes_kernel(
     for j in tl.static_range(CANDIDATES):
         s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT)
         step = (s * shift)[:, :, None]
-        if TERNARY:
-            diff = tl.where((a > step * 0.5) & (step > 0), a - step, a)
+        if TERNARY:  # (r - q step)^2 is (|r| - step)^2 where |r| > step / 2, else r^2
+            diff = tl.where(a > _ternary_threshold(step), a - step, a)
         else:
             q = _levels(g, step, zero_f[:, :, None], LOW, QMAX, TERNARY)
             if SYMMETRIC:
@@ -219,20 +233,24 @@ def _residual_codes_kernel(
         else:
             tl.store(zero_row + zero_at, zero.to(tl.float16), mask=mask)
 
-    within = tl.arange(0, GROUP)
-    if TRITS:
-        digit = within % 5
-        weight = tl.where(digit == 0, 81, tl.where(digit == 1, 27, tl.where(digit == 2, 9, tl.where(digit == 3, 3, 1))))
-        byte_of = within // 5
-    else:
-        weight = 1 << (BITS * (8 // BITS - 1 - within % (8 // BITS)))
-        byte_of = within // (8 // BITS)
-    weighted = u * weight[None, None, :]
     code_row = codes_ptr + item_value(items_ptr, item, CODES) + b * s_codes_b + h * s_codes_h + first * s_codes_t
     code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
-    for k in tl.static_range(GROUP_BYTES):
-        byte = tl.sum(tl.where((byte_of == k)[None, None, :], weighted, 0), axis=2)
-        tl.store(code_row + (code_at + k * s_codes_c), byte.to(tl.uint8), mask=mask)
+    if GROUP >= 16:  # pack on tensor cores: codes [.., GROUP] @ place values [GROUP, bytes], small exact integers
+        levels = tl.reshape(u, (BLOCK * G_PAD, GROUP)).to(tl.float32)
+        j = tl.arange(0, GROUP)
+        k = tl.arange(0, BYTES_PAD)
+        weights = tl.load(pack_ptr + (j[:, None] * BYTES_PAD + k[None, :]))
+        packed = exact_dot(levels, weights, tl.zeros([BLOCK * G_PAD, BYTES_PAD], tl.float32), "bf16", INTERPRET)
+        packed = tl.reshape(packed, (BLOCK, G_PAD, BYTES_PAD)).to(tl.int32)
+        at = code_at[:, :, None] + (k * s_codes_c)[None, None, :]
+        tl.store(code_row + at, packed.to(tl.uint8), mask=mask[:, :, None] & (k < GROUP_BYTES)[None, None, :])
+    else:
+        within = tl.arange(0, GROUP)
+        weights = tl.load(pack_ptr + within * BYTES_PAD + within // PER_BYTE)
+        weighted = u * weights[None, None, :].to(tl.int32)
+        for byte in tl.static_range(GROUP_BYTES):
+            value = tl.sum(tl.where((within // PER_BYTE == byte)[None, None, :], weighted, 0), axis=2)
+            tl.store(code_row + (code_at + byte * s_codes_c), value.to(tl.uint8), mask=mask)
 
     id_row = sids_ptr + item_value(items_ptr, item, IDS) + b * s_ids_b + h * s_ids_h + first * s_ids_t
     for t in tl.static_range(STAGES):
@@ -277,6 +295,27 @@ def _store_tables(
             tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + k * s_cscale_k, scale, mask=ok)
 
 
+def bytes_pad(cfg) -> int:
+    """Packed bytes per group, padded to a tensor-core tile width."""
+    return max(16, triton.next_power_of_2(cfg.group_code_bytes))
+
+
+@functools.lru_cache(maxsize=16)
+def _place_values(trits: bool, bits: int, group: int, width: int, device: torch.device) -> torch.Tensor:
+    per_byte = 5 if trits else 8 // bits
+    table = torch.zeros(group, width)
+    for j in range(group):
+        position = per_byte - 1 - j % per_byte  # the first code of a byte is its most significant digit
+        table[j, j // per_byte] = 3**position if trits else 2 ** (bits * position)
+    return table.to(device)
+
+
+def place_values(cfg, device: torch.device) -> torch.Tensor:
+    """float32 [group_size, bytes_pad]: the place value of each code of a group in its byte (base 3 for trits,
+    ``2^bits`` otherwise; the format's layout, :mod:`..format`), built once per device."""
+    return _place_values(cfg.trits, cfg.bits, cfg.group_size, bytes_pad(cfg), device)
+
+
 def launch_codes(
     problems: Problems,
     storage: QVGPacked,
@@ -296,15 +335,15 @@ def launch_codes(
     limit = cfg.max_abs_input
     _residual_codes_kernel[(triton.cdiv(pr.tokens, BLOCK_TOKENS), pr.count)](
         *pr.point_args(), pr.need, alphas, status if status is not None else alphas, pr.magnitude,
-        holds if holds is not None else pr.magnitude, pr.num_items,
+        holds if holds is not None else pr.magnitude, pr.num_items, place_values(cfg, pr.x.device),
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
         *storage.centroids.stride(), *cscale_strides, *storage.scale_shift.stride(),
         D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes,
-        BITS=cfg.bits, TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
+        BYTES_PAD=bytes_pad(cfg), PER_BYTE=5 if cfg.trits else 8 // cfg.bits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
         CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=status is not None,
         LIMIT=float("inf") if limit is None else float(limit), CONDITIONS=holds is not None, BLOCK=BLOCK_TOKENS,
-        enable_fp_fusion=False, **pr.flags(),
+        INTERPRET=INTERPRETING, enable_fp_fusion=True, **pr.flags(),  # see the module docstring
     )  # fmt: skip
