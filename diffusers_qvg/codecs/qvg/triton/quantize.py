@@ -48,7 +48,7 @@ from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, r
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TAG, TOKEN_START, ZEROS, Problems
 from .problems import exact_dot, item_value, problem_of, problem_points, stage_points
 
-BLOCK_TOKENS = 16
+BLOCK_TOKENS = 32
 # The write status's reasons, for the kernel to record them.
 NONFINITE, TOO_LARGE, CONDITION = (tl.constexpr(r) for r in (write_status.NONFINITE, write_status.TOO_LARGE, write_status.CONDITION))
 
