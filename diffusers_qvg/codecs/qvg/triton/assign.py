@@ -29,10 +29,9 @@ import triton
 import triton.language as tl
 
 from . import INTERPRETING, check_runnable
-from .numerics import round_to_bf16, round_to_tf32
 from .problems import (
-    Problems, exact_dot, exact_format, points_problems, problem_points, stage_inputs, stage_points, stage_rows,
-    working_rows,
+    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
+    stage_rows, working_rows,
 )
 from .quantize import group_needs
 
@@ -40,23 +39,13 @@ BLOCK_POINTS = 64
 BLOCK_CENTROIDS = 64
 
 
-@triton.jit
-def _operand(v, ROUND: tl.constexpr):
-    if ROUND == "bf16":
-        return round_to_bf16(v)
-    elif ROUND == "tf32":
-        return round_to_tf32(v)
-    else:
-        return v
-
-
 @triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
 def _assign_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, need_ptr, magnitude_ptr,
-    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, FROM_POINTS: tl.constexpr,
-    ROUND: tl.constexpr, FORMAT: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, need_ptr, magnitude_ptr,
+    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, SOURCE: tl.constexpr,
+    ROUND: tl.constexpr, POINTS_EXACT: tl.constexpr, FORMAT: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
     NEED: tl.constexpr, CHECK: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
@@ -79,7 +68,7 @@ def _assign_kernel(
         magnitude = tl.where(row_mask[:, None] & col_mask[None, :], magnitude, 0.0)
         tl.atomic_max(magnitude_ptr + p // (heads * batch), tl.max(tl.max(magnitude, axis=1), axis=0))
     if ASSIGN != "none":
-        a = _operand(points, ROUND)
+        a = points if POINTS_EXACT else lloyd_operand(points, ROUND)
         best = tl.full([BLOCK_N], float("inf"), tl.float32)
         best_id = tl.zeros([BLOCK_N], tl.int32)
         for k0 in range(0, n_centroids, BLOCK_K):
@@ -90,14 +79,22 @@ def _assign_kernel(
                     tables_ptr, tscales_ptr, STAGE, p, ks, k_mask, cols, col_mask, n_centroids, n_problems,
                     D, CENT_SCALED, PER_CENTROID,
                 )
+                norms = tl.sum(c * c, axis=1)
+            elif SOURCE == "operands":  # the update kernel left them rounded, with their norms
+                offsets = (ks * D)[:, None] + cols[None, :]
+                c = tl.load(op_ptr + p * n_centroids * D + offsets, mask=k_mask[:, None] & col_mask[None, :], other=0)
+                norms = tl.load(norm_ptr + p * n_centroids + ks, mask=k_mask, other=0)
             else:
-                c = _operand(working_rows(
+                c = working_rows(
                     x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
                     cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
-                    STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
-                ), ROUND)
+                    STAGE, SOURCE == "points", D, CENT_SCALED, PER_CENTROID,
+                )
+                if not (SOURCE == "points" and POINTS_EXACT):  # points that are exact need no rounding
+                    c = lloyd_operand(c, ROUND)
+                norms = tl.sum(c * c, axis=1)
             products = exact_dot(a, tl.trans(c), tl.zeros([BLOCK_N, BLOCK_K], tl.float32), FORMAT, INTERPRET)
-            score = tl.sum(c * c, axis=1)[None, :] - 2.0 * products
+            score = norms[None, :] - 2.0 * products
             score = tl.where(k_mask[None, :], score, float("inf"))
             block_best = tl.min(score, axis=1)
             block_id = tl.argmin(score, axis=1, tie_break_left=True).to(tl.int32) + k0
@@ -123,34 +120,36 @@ def launch_assign(
     stage: int,
     mode: str,
     *,
-    from_points: bool = False,
+    source: str = "working",
     precision: str = "tf32x3",
     need: tuple[int, bool, int] | None = None,
     check: bool = False,
 ) -> None:
     """Assign stage ``stage``'s points; ids go to ``problems.ids[stage]``.
 
-    ``mode``: ``"lloyd"`` against the working centroids (the strided init's points when ``from_points``) in
-    ``precision``; ``"final"`` against the stage's rounded table, with exact products where the formats allow;
+    ``mode``: ``"lloyd"`` against the working centroids in ``precision``: rounded here from the float32 table
+    (``source="working"``), from the strided init's points (``"points"``), or as the update kernel left them
+    rounded, with their norms (``"operands"``); ``"final"`` against the stage's rounded table, with exact products where the formats allow;
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
     ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need``, and
     ``check`` each item's largest magnitude into ``problems.magnitude`` (both zeroed by the rounding kernel,
     or by the caller).
     """
     pr = problems
+    exact = exact_format(pr.x.dtype) if stage == 0 else None  # the points' own exactness
     if mode == "final":
-        points = exact_format(pr.x.dtype) if stage == 0 else None
         table = exact_format(pr.tables.dtype)
-        fmt = "bf16" if points == table == "bf16" else "tf32" if points and table else "tf32x3"
-        rounding = None
+        fmt = "bf16" if exact == table == "bf16" else "tf32" if exact and table else "tf32x3"
+        rounding, points_exact = None, True
     else:
         fmt, rounding = precision, (None if precision == "tf32x3" else precision)
+        points_exact = rounding is None or exact == "bf16" or (exact == "tf32" and rounding == "tf32")
     group, symmetric, qmax = need if need is not None else (pr.head_dim, True, 1)
     D = pr.head_dim
     _assign_kernel[(triton.cdiv(pr.tokens, BLOCK_POINTS), pr.count)](
-        *pr.point_args(), pr.working, *pr.working.stride(), pr.need, pr.magnitude,
-        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, FROM_POINTS=from_points,
-        ROUND=rounding, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
+        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, SOURCE=source,
+        ROUND=rounding, POINTS_EXACT=points_exact, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
         BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_stages=1, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
 
@@ -162,7 +161,7 @@ def assign(
     check_runnable(x, centroids)
     if x.dim() != 3 or centroids.dim() != 3 or x.shape[0] != centroids.shape[0] or x.shape[2] != centroids.shape[2]:
         raise ValueError(f"expected points [P, N, D] and centroids [P, K, D], got {tuple(x.shape)} and {tuple(centroids.shape)}")
-    problems = points_problems(x, centroids.shape[1])
+    problems = points_problems(x, centroids.shape[1], precision)
     problems.working = centroids
     if out is not None:
         if out.dtype != torch.int32 or out.shape != x.shape[:2] or not out.is_contiguous():

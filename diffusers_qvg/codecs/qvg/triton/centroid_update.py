@@ -21,7 +21,10 @@ import triton.language as tl
 from . import INTERPRETING, check_runnable
 from .assign import launch_assign
 from .numerics import round_to_bf16
-from .problems import Problems, exact_dot, exact_format, points_problems, problem_points, stage_inputs, stage_points, working_rows
+from .problems import (
+    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
+    working_rows,
+)
 
 BLOCK_POINTS = 128
 BLOCK_CENTROIDS = 32
@@ -47,8 +50,9 @@ def _add_members(acc, hit, points, EXACT: tl.constexpr, INTERPRET: tl.constexpr)
 def _centroid_update_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d,
+    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, EXACT: tl.constexpr,
+    OPERANDS: tl.constexpr, PRECISION: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
@@ -83,18 +87,27 @@ def _centroid_update_kernel(
     count = counts[:, None]
     mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), old)
     offsets = (ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]
-    tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=k_mask[:, None] & col_mask[None, :])
+    mask = k_mask[:, None] & col_mask[None, :]
+    tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=mask)
+    if OPERANDS:  # for the next assignment: rounded once here, not by each of its programs
+        operand = lloyd_operand(mean, PRECISION)
+        tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols[None, :]), operand, mask=mask)
+        tl.store(norm_ptr + p * n_centroids + ks, tl.sum(operand * operand, axis=1), mask=k_mask)
 
 
-def launch_update(problems: Problems, stage: int, *, from_points: bool = False) -> None:
+def launch_update(
+    problems: Problems, stage: int, *, from_points: bool = False, operands: str | None = None
+) -> None:
     """Replace the working centroids by the means of stage ``stage``'s points under ``problems.ids[stage]``
-    (the strided init's points are the previous centroids when ``from_points``)."""
+    (the strided init's points are the previous centroids when ``from_points``); with ``operands`` (a
+    k-means precision), also the next assignment's operands and norms."""
     pr = problems
     exact = exact_format(pr.x.dtype) if stage == 0 else None
     D = pr.head_dim
     _centroid_update_kernel[(triton.cdiv(pr.centroids, BLOCK_CENTROIDS), pr.count)](
-        *pr.point_args(), pr.working, *pr.working.stride(),
+        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, FROM_POINTS=from_points,
+        OPERANDS=operands is not None, PRECISION=operands or "tf32x3",
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
         BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_warps=8, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
@@ -117,9 +130,9 @@ def update_centroids(x: torch.Tensor, ids: torch.Tensor, old: torch.Tensor) -> t
 def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int, precision: str = "tf32x3") -> torch.Tensor:
     """``iters`` deterministic Lloyd iterations from ``centroids`` [P, K, D]: no host sync, no float atomics."""
     check_runnable(x, centroids)
-    problems = points_problems(x, centroids.shape[1])
+    problems = points_problems(x, centroids.shape[1], precision)
     problems.working.copy_(centroids)
-    for _ in range(iters):
-        launch_assign(problems, 0, "lloyd", precision=precision)
-        launch_update(problems, 0)
+    for i in range(iters):
+        launch_assign(problems, 0, "lloyd", source="operands" if i else "working", precision=precision)
+        launch_update(problems, 0, operands=precision if i + 1 < iters else None)
     return problems.working if iters else centroids

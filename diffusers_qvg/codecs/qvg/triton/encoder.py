@@ -28,7 +28,7 @@ from . import check_runnable
 from .assign import launch_assign
 from .centroid_round import launch_round
 from .centroid_update import launch_update
-from .problems import COLUMNS, STORAGE_FIELDS, Problems, alignment
+from .problems import COLUMNS, STORAGE_FIELDS, Problems, alignment, operand_dtype
 from .quantize import launch_codes
 
 if TYPE_CHECKING:
@@ -55,8 +55,10 @@ def encode(
         if not strided:
             fill_initial_centroids(config, writes, problems, t)
         for i in range(config.kmeans_iters):
-            launch_assign(problems, t, "lloyd", from_points=strided and i == 0, precision=config.kmeans_precision)
-            launch_update(problems, t, from_points=strided and i == 0)
+            source = "operands" if i else "points" if strided else "working"
+            launch_assign(problems, t, "lloyd", source=source, precision=config.kmeans_precision)
+            more = i + 1 < config.kmeans_iters
+            launch_update(problems, t, from_points=strided and i == 0, operands=config.kmeans_precision if more else None)
         launch_round(problems, t, from_points=strided and config.kmeans_iters == 0)
         last = t + 1 == config.stages
         launch_assign(problems, t, "final", need=need if last else None, check=check and last)
@@ -114,6 +116,8 @@ def build_problems(config: QVGConfig, writes: Sequence[Write]) -> Problems:
             if scaled else torch.empty(1, device=device)
         ),
         working=torch.empty(P, K if config.stages else 1, D, device=device),
+        operands=torch.empty(P, K if config.stages else 1, D, dtype=operand_dtype(config.kmeans_precision), device=device),
+        norms=torch.empty(P, K if config.stages else 1, device=device),
         # zeroed by the rounding kernel when there are stages
         need=torch.zeros(P, device=device) if config.stages == 0 else torch.empty(P, device=device),
         magnitude=torch.zeros(len(writes), device=device) if config.stages == 0 else torch.empty(len(writes), device=device),

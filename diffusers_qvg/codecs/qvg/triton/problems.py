@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .numerics import round_to_bf16, round_to_tf32
+
 # Columns of the item table.
 X, CODES, SCALES, ZEROS, IDS, CENT, CSCALE, SHIFT, TOKEN_START, SLOT, TAG = (tl.constexpr(i) for i in range(11))
 COLUMNS = tl.constexpr(11)
@@ -46,6 +48,8 @@ class Problems:
     tables: torch.Tensor  # [stages, P, K, D] in the storage's centroid dtype
     table_scales: torch.Tensor  # float32 [stages, P, K or 1] (e4m3 tables), else a dummy
     working: torch.Tensor  # float32 [P, K, D]: the Lloyd iterations' centroids
+    operands: torch.Tensor  # [P, K, D]: the working centroids as the next assignment multiplies them
+    norms: torch.Tensor  # float32 [P, K]: their squared norms
     need: torch.Tensor  # float32 [P]: each head's largest scale need (before its shift)
     magnitude: torch.Tensor  # float32 [I]: each item's largest |x| (+inf if any value is NaN/Inf), for the check
     x_align: int = 1  # elements every problem's first point is aligned to (see alignment())
@@ -99,7 +103,12 @@ def exact_format(dtype: torch.dtype) -> str | None:
     return "tf32" if dtype == torch.float16 else None
 
 
-def points_problems(x: torch.Tensor, num_centroids: int) -> Problems:
+def operand_dtype(precision: str) -> torch.dtype:
+    """The dtype the assignment's centroid operands are kept in between launches (bf16 values fit bf16)."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def points_problems(x: torch.Tensor, num_centroids: int, precision: str = "tf32x3") -> Problems:
     """A [P, N, D] float tensor of points as a one-item problem set (B = P, H = 1), for the k-means kernels
     on their own (tests, benchmarks); no stage tables."""
     P, N, D = x.shape
@@ -110,6 +119,8 @@ def points_problems(x: torch.Tensor, num_centroids: int) -> Problems:
         num_items=1, batch=P, tokens=N, heads=1, head_dim=D, centroids=num_centroids,
         ids=torch.empty(1, P, N, dtype=torch.int32, device=x.device), tables=dummy, table_scales=dummy.view(1),
         working=torch.empty(P, num_centroids, D, device=x.device), need=dummy.view(1), magnitude=dummy.view(1),
+        operands=torch.empty(P, num_centroids, D, dtype=operand_dtype(precision), device=x.device),
+        norms=torch.empty(P, num_centroids, device=x.device),
         x_align=alignment([x], (x.stride(0),)),
     )  # fmt: skip
     problems.check_offsets()
@@ -209,13 +220,24 @@ def working_rows(
 
 
 @triton.jit
+def lloyd_operand(v, PRECISION: tl.constexpr):
+    """``v`` (float32) rounded to nearest-even in the Lloyd assignment's input format (a no-op for tf32x3)."""
+    if PRECISION == "bf16":
+        return round_to_bf16(v)
+    elif PRECISION == "tf32":
+        return round_to_tf32(v)
+    else:
+        return v
+
+
+@triton.jit
 def exact_dot(a, b, acc, FORMAT: tl.constexpr, INTERPRET: tl.constexpr):
     """``acc + a @ b`` for float32 operands whose values are exact in ``FORMAT`` ("bf16", "fp16", "tf32"),
     so every product is exact and only the float32 accumulation order is the hardware's; "tf32x3" for
     any float32 operands (about float32 accuracy). The interpreter's dot mishandles bfloat16 operands, so
     there (``INTERPRET``) the same exact values are multiplied in float32."""
     if INTERPRET:
-        return tl.dot(a, b, acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     elif FORMAT == "bf16":
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
     elif FORMAT == "fp16":
