@@ -48,7 +48,7 @@ from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, r
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TAG, TOKEN_START, ZEROS, Problems
 from .problems import exact_dot, item_value, problem_of, problem_points, stage_points
 
-BLOCK_TOKENS = 32
+BLOCK_TOKENS = {True: 32, False: 16}  # tokens per program: ternary codes (division-free) / others
 # The write status's reasons, for the kernel to record them.
 NONFINITE, TOO_LARGE, CONDITION = (tl.constexpr(r) for r in (write_status.NONFINITE, write_status.TOO_LARGE, write_status.CONDITION))
 
@@ -333,7 +333,8 @@ def launch_codes(
     zeros = storage.zeros if storage.zeros is not None else storage.scales
     D = pr.head_dim
     limit = cfg.max_abs_input
-    _residual_codes_kernel[(triton.cdiv(pr.tokens, BLOCK_TOKENS), pr.count)](
+    block = BLOCK_TOKENS[cfg.symmetric and cfg.qmax == 1]
+    _residual_codes_kernel[(triton.cdiv(pr.tokens, block), pr.count)](
         *pr.point_args(), pr.need, alphas, status if status is not None else alphas, pr.magnitude,
         holds if holds is not None else pr.magnitude, pr.num_items, place_values(cfg, pr.x.device),
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
@@ -344,6 +345,6 @@ def launch_codes(
         BYTES_PAD=bytes_pad(cfg), PER_BYTE=5 if cfg.trits else 8 // cfg.bits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
         CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=status is not None,
-        LIMIT=float("inf") if limit is None else float(limit), CONDITIONS=holds is not None, BLOCK=BLOCK_TOKENS,
+        LIMIT=float("inf") if limit is None else float(limit), CONDITIONS=holds is not None, BLOCK=block,
         INTERPRET=INTERPRETING, enable_fp_fusion=True, **pr.flags(),  # see the module docstring
     )  # fmt: skip
