@@ -1,4 +1,5 @@
-"""Batched Euclidean k-means for QVG: deterministic inits, Lloyd iterations via flash-kmeans, assignment.
+"""Batched Euclidean k-means for QVG, the reference: deterministic inits, Lloyd iterations (flash-kmeans for
+float32-accurate assignments, a PyTorch loop for bf16/TF32-rounded ones), assignment.
 
 Points come as ``x`` [P, N, D] (P = batch * heads problems of N points each). Every random draw uses the
 caller's ``torch.Generator``; the global RNG is never touched (flash-kmeans itself would draw its init

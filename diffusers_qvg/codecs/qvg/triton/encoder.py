@@ -3,9 +3,9 @@
 For ``S`` stages of ``L`` Lloyd iterations the launches are, per stage, ``L`` times (assign, update), the
 rounding of the table and the final assignment, then the codes kernel: ``S * (2 L + 2) + 1`` (13 for the
 default ``QVGConfig()``; without stages, a scale-need pass and the codes kernel), whatever the number of
-writes. Everything before the codes
-kernel writes only the problem set's scratch (:mod:`.problems`); the codes kernel makes every store of the
-writes, gated on the write status. No launch reads the device on the host.
+writes. Everything before the codes kernel writes only the problem set's scratch (:mod:`.problems`); the
+codes kernel makes every store of the writes, gated on the write status. Nothing reads the device on the
+host.
 
 The strided init (the default) costs no launch: the first iteration reads its centroids straight from the
 points. Warm starts, ``"random"`` and ``"kmeans++"`` fill the working centroids with PyTorch ops first, each
