@@ -40,6 +40,8 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 asymmetric": (dq.QVGConfig(symmetric=False), False),
         "qvg-int2 warm start": (dq.QVGConfig(), True),
         "qvg-int2 128 centroids": (dq.QVGConfig(num_centroids=128), False),
+        "qvg-int2 tf32x3 k-means": (dq.QVGConfig(kmeans_precision="tf32x3"), False),
+        "qvg-int2 tf32 k-means": (dq.QVGConfig(kmeans_precision="tf32"), False),
     }
     return rows
 

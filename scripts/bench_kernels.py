@@ -154,8 +154,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import diffusers_qvg as dq
     from diffusers_qvg.codecs.qvg import backend
-    from diffusers_qvg.codecs.qvg.backend import encoder_ops
     from diffusers_qvg.codecs.qvg.kmeans import kmeans_init
+    from diffusers_qvg.codecs.qvg.triton.assign import assign as triton_assign
+    from diffusers_qvg.codecs.qvg.triton.centroid_update import lloyd as triton_lloyd
+    from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into, scale_fractions
+    from diffusers_qvg.codecs.status import WriteStatus
     from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_into as triton_dequantize
     from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_pair_into as triton_pair
     from diffusers_qvg.rotary import rotary_pairs
@@ -172,27 +175,41 @@ def main(argv: list[str] | None = None) -> None:
     table = Table(lambda fn: median_ms(fn, device, repeats, warmup))
     rows = table.rows
 
-    # ---- Quantize one chunk tensor (K before RoPE, chunk 0) ----
+    # ---- Quantize one chunk tensor (K before RoPE, chunk 0); a layer's K and V in one batched call ----
     x = data["key"][:, :n].contiguous()
+    v = data["value"][:, :n].contiguous()
     for name, config in configs.items():
         with table.guard("quantize", f"{name}: setup"), backend("triton"):
-            ops = encoder_ops(config, x)
             no_kmeans = config.with_(kmeans_iters=0, kmeans_init="strided")
             for label, c, target in ((f"init {config.kmeans_init} + {config.kmeans_iters} Lloyd iters", config, None),
                                      ("no k-means: strided init, 0 iters", no_kmeans, QUANTIZE_TARGET_MS)):
                 own = c.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
                 table.time("quantize", f"{name}: whole encoder, {label}",
                            lambda: c.quantize_into(own, x, token_start=0, slot=0), target=target,
-                           note="codec verb: input validation included")
+                           note="codec verb: input validation included (values checked on the host: 1 sync)")
+            kv = [config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
+                  for _ in range(2)]
+            status = WriteStatus(device)
+            launches = max(config.stages * (2 * config.kmeans_iters + 2), 1) + 1
+            table.time("quantize", f"{name}: K and V of a layer, one quantize_batch_into call (ours)",
+                       lambda: config.quantize_batch_into([(kv[0], x, 0, 0), (kv[1], v, 0, 0)], status=status),
+                       note=f"as the cache writes: a device-side write status, no sync; {launches} launches")
+            table.time("quantize", f"{name}: K and V of a layer, two quantize_into calls (ours)",
+                       lambda: [config.quantize_into(s, t, token_start=0, slot=0, status=status) for s, t in zip(kv, (x, v))],
+                       note="the same writes one by one")
             storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
             config.quantize_into(storage, x, token_start=0, slot=0)  # ids and centroids for the residual kernels
+            alphas = scale_fractions(config.scale_search, device)
             table.time("quantize", f"{name}: residual codes, 2 launches (ours)",
-                       lambda: ops.write_residual(storage, x, token_start=0, slot=0))
+                       lambda: quantize_residual_into(storage, x, alphas, token_start=0, slot=0),
+                       note="scale-need pass + codes kernel, from the segment's ids and centroids")
             points = x.float().permute(0, 2, 1, 3).reshape(H, n, D)
             init = kmeans_init(points, config.centroids, "strided", torch.Generator(device=device))
-            table.time("quantize", f"{name}: nearest-centroid assignment (ours)", lambda: ops.assign(points, init))
-            table.time("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours)",
-                       lambda: ops.lloyd(points, init, config.kmeans_iters))
+            table.time("quantize", f"{name}: nearest-centroid assignment (ours)", lambda: triton_assign(points, init))
+            for precision in ("tf32x3", "bf16"):
+                table.time("k-means", f"{name}: {config.kmeans_iters} Lloyd iters, deterministic Triton (ours, {precision})",
+                           lambda: triton_lloyd(points, init, config.kmeans_iters, precision),
+                           note="float32 points: the update splits them into 3 exact bf16 parts (the encoder's bf16 input: 1)")
             flash = f"{name}: {config.kmeans_iters} Lloyd iters, flash-kmeans batch_kmeans_Euclid"
             with table.guard("k-means", flash):  # CUDA only (on a CPU its failure is the row)
                 from flash_kmeans import batch_kmeans_Euclid

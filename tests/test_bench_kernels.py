@@ -24,7 +24,8 @@ def test_small_run_prints_the_table_and_json(tmp_path):
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["meta"]["data"].startswith("video-derived")
     names = [r["name"] for r in report["rows"]]
-    for expected in ("residual codes, 2 launches (ours)", "Lloyd iters, deterministic Triton (ours)",
+    for expected in ("residual codes, 2 launches (ours)", "Lloyd iters, deterministic Triton (ours",
+                     "K and V of a layer, one quantize_batch_into call (ours)",
                      "ours, 1 launch per tensor, K +RoPE and V", "K +RoPE (RotaryPairs) and V in 1 launch",
                      "dequantize_pair_into", "torch reference decoder", "plain 2-bit unpack",
                      "copy roofline"):

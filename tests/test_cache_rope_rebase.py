@@ -4,7 +4,6 @@ Keys are cached before RoPE and rotated as they are read, so a re-based window c
 whose table is long enough, told to re-base at the same frame (``rope_frames``), gives the same video.
 """
 
-import copy
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ import torch
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.groups import scale_candidates
 from diffusers_qvg.codecs.qvg import backend
-from diffusers_qvg.codecs.qvg.triton.quantize import quantize_residual_into
+from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into
 from diffusers_qvg.metrics import rel_l2
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU

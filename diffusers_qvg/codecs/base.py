@@ -291,6 +291,59 @@ class CodecConfig(ABC):
         write in the error the status raises later).
         """
 
+    def quantize_batch_into(
+        self,
+        items: Sequence[tuple[Packed, torch.Tensor, int, int]],
+        *,
+        roles: Sequence[Role] | None = None,
+        warm_starts: Sequence[tuple[Packed, int] | None] | None = None,
+        status: WriteStatus | None = None,
+        whats: Sequence[str] | None = None,
+        heads: HeadSlice | None = None,
+    ) -> None:
+        """Pack several segments, ``items[i] = (storage, x, token_start, slot)``, as :meth:`quantize_into`
+        would one after another (``roles``, ``warm_starts`` as ``(storage, slot)`` and ``whats`` per item;
+        ``heads`` for all of them).
+
+        Codecs with batched kernels override this to pack every item in one launch sequence (QVG: a layer's K
+        and V, or several layers). The layout of every item is validated before anything is written; the
+        values as by :meth:`quantize_into`: with ``status`` each item's check is folded into it on the device
+        and an item stores only if no earlier write failed; without, a bad item raises after the items before
+        it were written.
+        """
+        roles, warm_starts, whats = self.batch_arguments(items, roles, warm_starts, whats)
+        for storage, x, token_start, slot in items:
+            self.check_storage_fits(storage, x, token_start, slot)
+        for (storage, x, token_start, slot), role, warm, what in zip(items, roles, warm_starts, whats):
+            self.quantize_into(
+                storage, x, token_start=token_start, slot=slot, role=role, warm_start=None if warm is None else warm[0],
+                warm_slot=0 if warm is None else warm[1], status=status, what=what, heads=heads,
+            )  # fmt: skip
+
+    @staticmethod
+    def batch_arguments(
+        items: Sequence[tuple[Packed, torch.Tensor, int, int]],
+        roles: Sequence[Role] | None,
+        warm_starts: Sequence[tuple[Packed, int] | None] | None,
+        whats: Sequence[str] | None,
+    ) -> tuple[list[Role], list[tuple[Packed, int] | None], list[str]]:
+        """:meth:`quantize_batch_into`'s per-item arguments with their defaults, or a clear error."""
+        n = len(items)
+        if n == 0:
+            raise ValueError("quantize_batch_into got no items; pass (storage, x, token_start, slot) tuples")
+        for i, item in enumerate(items):
+            if not isinstance(item, tuple) or len(item) != 4:
+                raise TypeError(f"items[{i}] must be a (storage, x, token_start, slot) tuple, got {type(item).__name__}")
+        lists = dict(roles=roles, warm_starts=warm_starts, whats=whats)
+        for name, values in lists.items():
+            if values is not None and len(values) != n:
+                raise ValueError(f"{name} has {len(values)} entries for {n} items; give one per item (or None)")
+        return (
+            list(roles) if roles is not None else ["value"] * n,
+            list(warm_starts) if warm_starts is not None else [None] * n,
+            list(whats) if whats is not None else [f"item {i}" for i in range(n)],
+        )
+
     @abstractmethod
     def dequantize_into(
         self,

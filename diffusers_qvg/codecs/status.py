@@ -64,55 +64,103 @@ class WriteStatus:
         finally:
             self.tensor = own
 
+    def tag(self, what: str, limit: float | None, conditions: Sequence[str] = ()) -> int:
+        """The tag of a write named ``what`` (its messages kept on the host); the same for the status's life."""
+        key = (what, limit, tuple(conditions))
+        if key not in self.tags:
+            self.messages.append(key)
+            self.tags[key] = len(self.messages)
+        return self.tags[key]
+
     def check(
         self,
         x: torch.Tensor,
         what: str,
         limit: float | None,
         must_hold: Sequence[tuple[torch.Tensor, str]] = (),
-    ) -> None:
+    ) -> torch.Tensor:
         """Record a failure of ``x`` (NaN/Inf, or a magnitude above ``limit``) or of a ``must_hold``
         condition (a boolean device scalar and the message to raise), unless an earlier write failed.
 
-        A handful of small device ops, no host read. ``what`` names the write in the eventual error.
+        A handful of small device ops, no host read. ``what`` names the write in the eventual error. Returns
+        the write's place in the order of checks (a device scalar, for :meth:`allows`).
         """
         if x.device != self.device:
             raise ValueError(f"{what} is on {x.device} but the cache's write status is on {self.device}")
-        key = (what, limit, tuple(message for _, message in must_hold))
-        if key not in self.tags:
-            self.messages.append(key)
-            self.tags[key] = len(self.messages)
-        tag = float(self.tags[key])
-        amax = x.detach().abs().amax().double()
-        reason = torch.where(torch.isfinite(amax), float(TOO_LARGE), float(NONFINITE))
+        amax = x.detach().abs().amax().double().reshape(1)
+        held = torch.stack([ok.to(torch.bool).reshape(()) for ok, _ in must_hold]).reshape(1, -1) if must_hold else None
+        tags = torch.full_like(amax, self.tag(what, limit, [m for _, m in must_hold]))  # no H2D copy
+        seq = self.tensor[CHECKED].clone()
+        self.fold(amax, held, tags, limit)
+        return seq
+
+    def check_batch(
+        self,
+        magnitudes: torch.Tensor,
+        whats: Sequence[str],
+        limit: float | None,
+        holds: torch.Tensor | None = None,
+        conditions: Sequence[Sequence[str]] | None = None,
+    ) -> torch.Tensor:
+        """:meth:`check` for the items of one batched write whose largest magnitudes ``magnitudes`` (float [I],
+        +inf or NaN where an item holds NaN/Inf) a kernel has already reduced, with ``holds`` (bool [I, C]) for
+        their conditions (messages ``conditions[i]``). Returns, per item, whether it may store: no earlier
+        write failed and no item before it (or itself) did, as if they were written one by one."""
+        if magnitudes.device != self.device:
+            raise ValueError(f"the batch's magnitudes are on {magnitudes.device} but the write status is on {self.device}")
+        conditions = conditions or [()] * len(whats)
+        tags = torch.tensor([float(self.tag(w, limit, c)) for w, c in zip(whats, conditions)], dtype=torch.float64)
+        tags = tags.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else tags.to(self.device)
+        return self.fold(magnitudes.double(), holds, tags, limit)
+
+    def fold(
+        self, amax: torch.Tensor, held: torch.Tensor | None, tags: torch.Tensor, limit: float | None
+    ) -> torch.Tensor:
+        """Fold the verdicts of ``I`` writes checked in order into the status (agreed over the group first);
+        returns which of them may store (bool [I])."""
         bad = ~torch.isfinite(amax)
+        reason = torch.where(bad, float(NONFINITE), float(TOO_LARGE))
         if limit is not None:
             bad = bad | (amax > limit)
-        for i, (ok, _) in enumerate(must_hold):
-            failed = ~ok.to(torch.bool)
-            reason = torch.where(bad, reason, torch.where(failed, float(CONDITION + i), reason))
-            bad = bad | failed
-        bad, reason, amax, rank = self.agree(bad, reason.double(), amax)
-        fail = bad & (self.tensor[TAG] == 0)
-        t = self.tensor
-        record = torch.stack([torch.full_like(amax, tag), reason, amax, t[CHECKED], t[CHECKED], rank])  # no H2D copy
-        t.copy_(torch.where(fail, record, t))
-        t[CHECKED] += 1
+        if held is not None:
+            for i in range(held.shape[1]):
+                failed = ~held[:, i]
+                reason = torch.where(bad, reason, torch.where(failed, float(CONDITION + i), reason))
+                bad = bad | failed
+        bad, reason, amax, rank = self.agree(bad, reason, amax)
+        t, n = self.tensor, amax.shape[0]
+        order = torch.arange(n, device=amax.device)
+        first = torch.where(bad, order, n).min()  # the first failing item (n: none)
+        clean = t[TAG] == 0
+        at = first.clamp(max=n - 1).reshape(1)  # a tensor index, never a Python int: no host read
+        seq = (t[CHECKED] + first.double()).reshape(1)
+        fields = torch.stack([tags, reason, amax, rank]).index_select(1, at).squeeze(1)
+        record = torch.cat([fields[:3], seq, seq, fields[3:]])
+        t.copy_(torch.where(clean & (first < n), record, t))
+        t[CHECKED] += n
+        return clean & (order < first)
 
     def agree(
         self, bad: torch.Tensor, reason: torch.Tensor, amax: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This check's verdict over the group: failed if it failed on any rank, with the reason, magnitude
-        and rank of the first rank where it did (without a group: this rank's own, rank 0)."""
+        """Each check's verdict over the group (all [I]): failed if it failed on any rank, with the reason,
+        magnitude and rank of the first rank where it did (without a group: this rank's own, rank 0)."""
         if self.group is None:
             return bad, reason, amax, torch.zeros_like(amax)
-        rows = amax.new_zeros(dist.get_world_size(self.group), 3)  # every rank fills its row: a sum gathers them
-        rows[dist.get_rank(self.group)] = torch.stack([bad.double(), reason, amax])
+        rows = amax.new_zeros(dist.get_world_size(self.group), amax.shape[0], 3)  # a sum gathers every rank's row
+        rows[dist.get_rank(self.group)] = torch.stack([bad.double(), reason, amax], dim=-1)
         rows = funcol.all_reduce(rows, "sum", self.group)
         if isinstance(rows, funcol.AsyncCollectiveTensor):
             rows = rows.wait()
-        first = rows[:, 0].argmax()  # the first failing rank (0 when none failed)
-        return rows[first, 0] > 0, rows[first, 1], rows[first, 2], first.double()
+        first = rows[:, :, 0].argmax(0)  # per check, the first failing rank (0 when none failed)
+        pick = rows.gather(0, first.view(1, -1, 1).expand(1, -1, 3)).squeeze(0)
+        return pick[:, 0] > 0, pick[:, 1], pick[:, 2], first.double()
+
+    def allows(self, seq: torch.Tensor) -> torch.Tensor:
+        """Whether the write :meth:`check` returned ``seq`` for may store (a bool device scalar): no write
+        failed, or only one checked after it. A batch checked first and stored after stores as one by one."""
+        t = self.tensor
+        return (t[TAG] == 0) | (t[BEFORE] > seq)
 
     def ok(self) -> torch.Tensor:
         """True (a bool scalar on the device) while no write has failed: the predicate of every store."""

@@ -7,16 +7,14 @@ task-local), so concurrent callers do not see each other's overrides.
 
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Callable, Iterator, Literal, NamedTuple
+from typing import Iterator, Literal
 
 import torch
 
 from ...rotary import Rotary, rotary_tensors
 from ..base import SegmentTable
-from ..groups import scale_candidates
 from .config import QVGConfig
 from .format import QVGPacked
 
@@ -89,39 +87,14 @@ def dequantize_pair_into(
         run(value_storage, segments, value_out)
 
 
-class EncoderOps(NamedTuple):
-    """The encoder's heavy steps on one backend; ``write_residual`` is None on the torch reference."""
+def use_triton_encoder(config: QVGConfig, x: torch.Tensor) -> bool:
+    """The Triton encoder (deterministic, sync-free) on CUDA, the reference elsewhere.
 
-    lloyd: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-    assign: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    write_residual: Callable[..., None] | None
-
-
-@functools.lru_cache(maxsize=16)
-def _alphas(search: str, device: torch.device) -> torch.Tensor:
-    """The scale fractions on ``device``, built once (no host-to-device copy per call)."""
-    return scale_candidates(search, torch.float32, device)
-
-
-def encoder_ops(config: QVGConfig, x: torch.Tensor) -> EncoderOps:
-    """Triton k-means (deterministic, sync-free) and residual kernels on CUDA, the reference elsewhere.
-
-    The Triton residual kernel needs float32 math (no float64 input) and a power-of-two group size.
+    The Triton kernels need float32 math (no float64 input) and a power-of-two group size.
     """
     unsupported = None
     if x.dtype not in _TRITON_DTYPES:
         unsupported = f"{x.dtype} input (bfloat16, float16 or float32 only)"
     elif config.group_size & (config.group_size - 1):
         unsupported = f"group_size {config.group_size} (powers of two only)"
-    if not use_triton(x.device, unsupported):
-        from .kmeans import assign, lloyd
-
-        return EncoderOps(lloyd, assign, None)
-    from .triton.assign import assign
-    from .triton.centroid_update import lloyd
-    from .triton.quantize import quantize_residual_into
-
-    def write_residual(storage: QVGPacked, x: torch.Tensor, *, token_start: int, slot: int) -> None:
-        quantize_residual_into(storage, x, _alphas(config.scale_search, x.device), token_start=token_start, slot=slot)
-
-    return EncoderOps(lloyd, assign, write_residual)
+    return use_triton(x.device, unsupported)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Sequence
 
 import torch
 
@@ -39,6 +39,12 @@ class QVGConfig(CodecConfig):
             default), ``"kmeans++"`` (greedy D^2 sampling: ~20% lower attention error on video-derived K/V, but
             K sequential steps, ~1,500 small launches per tensor on a GPU: for offline or CPU use) or
             ``"random"`` (the official uniform-with-replacement init, here on a private generator).
+        kmeans_precision: the format the Lloyd iterations' assignments multiply points and centroids in:
+            ``"bf16"`` (the default: both operands rounded to nearest-even bf16, then one exact tensor-core
+            pass, 6x the rate of ``"tf32x3"``; on video-derived K/V its codec quality equals ``"tf32x3"``'s,
+            docs/benchmarks.md), ``"tf32"`` (the same in TF32, 2x) or ``"tf32x3"`` (about float32: three TF32
+            passes; flash-kmeans on the reference path). The final assignment against the stored table is
+            exact in any case.
         stages: progressive residual stages (1 = QVG, 4 = QVG-Pro).
         centroid_dtype: stored centroid precision; ``"e4m3"`` carries a power-of-two scale per centroid
             or per head (``centroid_scale``; per head by default: e4m3's own exponent covers the head's range,
@@ -58,6 +64,7 @@ class QVGConfig(CodecConfig):
     num_centroids: int | None = None
     kmeans_iters: int = 5
     kmeans_init: Literal["kmeans++", "strided", "random"] = "strided"
+    kmeans_precision: Literal["tf32x3", "tf32", "bf16"] = "bf16"
     stages: int = 1
     centroid_dtype: CentroidDType = "e4m3"
     centroid_scale: Literal["centroid", "head"] = "head"
@@ -91,6 +98,8 @@ class QVGConfig(CodecConfig):
             raise bad("kmeans_iters", self.kmeans_iters, "use 0 or more Lloyd iterations")
         if self.kmeans_init not in ("kmeans++", "strided", "random"):
             raise bad("kmeans_init", self.kmeans_init, "use 'kmeans++', 'strided' or 'random'")
+        if self.kmeans_precision not in ("tf32x3", "tf32", "bf16"):
+            raise bad("kmeans_precision", self.kmeans_precision, "use 'tf32x3', 'tf32' or 'bf16'")
         if not isinstance(self.stages, int) or self.stages < 0:
             raise bad("stages", self.stages, "use 0 (plain residual codes) or more k-means stages")
         if self.centroid_dtype not in ("e4m3", "bfloat16", "float16", "float32"):
@@ -100,7 +109,8 @@ class QVGConfig(CodecConfig):
 
     @classmethod
     def official(cls, bits: int = 2) -> "QVGConfig":
-        """The official ``quant-videogen`` settings: absmax scales, 2-bit packing, bf16 centroids, T=2."""
+        """The official ``quant-videogen`` settings: absmax scales, 2-bit packing, bf16 centroids, T=2, and
+        float32-accurate k-means (as flash-kmeans computes it)."""
         return cls(
             bits=bits,
             packing="bits",
@@ -108,6 +118,7 @@ class QVGConfig(CodecConfig):
             num_centroids=256,
             kmeans_iters=2,
             kmeans_init="random",
+            kmeans_precision="tf32x3",
             centroid_dtype="bfloat16",
         )
 
@@ -198,19 +209,66 @@ class QVGConfig(CodecConfig):
         what: str = "x",
         heads: HeadSlice | None = None,
     ) -> None:
-        from .encode import check_warm_start, quantize_into
-
-        self.check_storage_fits(storage, x, token_start, slot)
-        if heads is not None:
-            heads.check(x.shape[2], what)
-        must_hold = ()
-        if warm_start is not None and self.stages:
-            must_hold = (check_warm_start(self, storage, warm_start, warm_slot),)
-        gate = None if self.check_write(x, status, what, must_hold) else status
-        quantize_into(
-            self, storage, x, token_start=token_start, slot=slot, warm_start=warm_start, warm_slot=warm_slot, gate=gate,
+        warm = None if warm_start is None else (warm_start, warm_slot)
+        self.quantize_batch_into(
+            [(storage, x, token_start, slot)], roles=[role], warm_starts=[warm], status=status, whats=[what],
             heads=heads,
         )
+
+    def quantize_batch_into(
+        self,
+        items: Sequence[tuple[Packed, torch.Tensor, int, int]],
+        *,
+        roles: Sequence[Role] | None = None,
+        warm_starts: Sequence[tuple[Packed, int] | None] | None = None,
+        status: WriteStatus | None = None,
+        whats: Sequence[str] | None = None,
+        heads: HeadSlice | None = None,
+    ) -> None:
+        """Pack every item in one launch sequence of the Triton encoder (a fixed number of launches,
+        whatever ``len(items)``; the reference packs them one by one). The items must share the input
+        shape, dtype and device, and their storages one layout (allocated alike); no two may write the same
+        tokens or slot of one storage. Otherwise as :meth:`CodecConfig.quantize_batch_into`.
+        """
+        from .backend import use_triton_encoder
+        from .encode import Write, check_warm_start, quantize_writes
+
+        roles, warm_starts, whats = self.batch_arguments(items, roles, warm_starts, whats)
+        conditions = []
+        for (storage, x, token_start, slot), what in zip(items, whats):
+            self.check_storage_fits(storage, x, token_start, slot)
+            if heads is not None:
+                heads.check(x.shape[2], what)
+        check_disjoint(items)
+        for (storage, x, _, _), warm in zip(items, warm_starts):
+            if (x.shape, x.dtype, x.device) != (items[0][1].shape, items[0][1].dtype, items[0][1].device):
+                raise ValueError(
+                    f"batched items must share one shape, dtype and device: {tuple(x.shape)} {x.dtype} {x.device} "
+                    f"vs {tuple(items[0][1].shape)} {items[0][1].dtype} {items[0][1].device}; batch them separately"
+                )
+            use = warm is not None and self.stages
+            conditions.append((check_warm_start(self, storage, *warm),) if use else ())
+        triton = use_triton_encoder(self, items[0][1])  # raises if Triton is forced on inputs it cannot take
+        writes: list[Write] = []
+        for (storage, x, token_start, slot), warm, what, must_hold in zip(items, warm_starts, whats, conditions):
+            seq = None
+            if status is None:
+                try:
+                    self.check_values(x, what, must_hold)
+                except ValueError:
+                    if writes:  # as one quantize_into after another: the items before the bad one are written
+                        quantize_writes(self, writes, triton=triton, heads=heads)
+                    raise
+            elif not triton:  # the Triton encoder checks the values itself (no extra pass over them)
+                seq = status.check(x, what, self.max_abs_input, must_hold)
+            writes.append(Write(storage, x, token_start, slot, seq, warm if self.stages else None))
+        checks = holds = None
+        if triton and status is not None:
+            checks = [(what, [message for _, message in must_hold]) for what, must_hold in zip(whats, conditions)]
+            if any(conditions):
+                true = torch.ones((), dtype=torch.bool, device=status.device)
+                holds = torch.stack([c[0][0] if c else true for c in conditions]).reshape(-1, 1)
+        quantize_writes(self, writes, status, checks, holds, triton=triton, heads=heads)
 
     def dequantize_into(self, storage: Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         from .backend import dequantize_into
@@ -228,3 +286,16 @@ class QVGConfig(CodecConfig):
         self.check_segments(key_storage, segments, key_out, rotary)
         self.check_segments(value_storage, segments, value_out)
         dequantize_pair_into(key_storage, value_storage, segments, key_out, value_out, rotary)
+
+
+def check_disjoint(items: Sequence[tuple[Packed, torch.Tensor, int, int]]) -> None:
+    """Raise if two items of a batch write the same tokens or slot of one storage (the kernels would race)."""
+    for i, (storage, x, start, slot) in enumerate(items):
+        for j, (other, y, other_start, other_slot) in enumerate(items[:i]):
+            if other is not storage:
+                continue
+            if slot == other_slot or (start < other_start + y.shape[1] and other_start < start + x.shape[1]):
+                raise ValueError(
+                    f"items {j} and {i} write the same storage's slot or tokens (slots {other_slot}, {slot}; tokens "
+                    f"from {other_start}, {start}); one batch packs disjoint segments, so split the batch"
+                )

@@ -1,9 +1,12 @@
-"""Reference QVG encoder in PyTorch: k-means smoothing stages, then residual codes (``/work/encoder_spec.md``).
+"""The QVG encoder's driver, and its PyTorch reference: k-means smoothing stages, then residual codes.
 
-Everything is computed first and written last, so a failing call leaves the storage as it was.
+The reference computes everything first and writes last, so a failing call leaves the storage as it was;
+the Triton encoder (:mod:`.triton.encoder`) packs a batch of writes in one launch sequence.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -14,8 +17,7 @@ from ..groups import pow2_at_least
 from .config import QVGConfig
 from .decode import decode_centroids
 from .format import QVGPacked, pack_codes
-from .backend import encoder_ops
-from .kmeans import gather_rows, kmeans_init
+from .kmeans import assign, gather_rows, kmeans_init, lloyd
 from .residual import quantize_residual
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
@@ -61,57 +63,73 @@ def check_warm_start(
     return written, f"warm_slot {warm_slot} of warm_start was never written; warm-start from a packed segment"
 
 
-def quantize_into(
+class Write(NamedTuple):
+    """One segment to pack: ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and
+    ``slot``. ``seq`` is its place among the write status's checks (a device scalar; None: unchecked or
+    checked by the Triton encoder itself); ``warm`` an earlier (storage, slot) whose centroids seed this one."""
+
+    storage: QVGPacked
+    x: torch.Tensor
+    token_start: int
+    slot: int
+    seq: torch.Tensor | None = None
+    warm: tuple[Packed, int] | None = None
+
+
+def quantize_writes(
     config: QVGConfig,
-    storage: QVGPacked,
-    x: torch.Tensor,
+    writes: Sequence[Write],
+    status: WriteStatus | None = None,
+    checks: Sequence[tuple[str, Sequence[str]]] | None = None,
+    holds: torch.Tensor | None = None,
     *,
-    token_start: int,
-    slot: int,
-    warm_start: Packed | None = None,
-    warm_slot: int = 0,
-    gate: WriteStatus | None = None,
+    triton: bool,
     heads: HeadSlice | None = None,
 ) -> None:
-    """Pack ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and ``slot``.
+    """Pack ``writes`` (validated by :meth:`QVGConfig.quantize_batch_into`): the Triton encoder (``triton``: see
+    :func:`.backend.use_triton_encoder`) packs them all in one launch sequence; the reference packs them one
+    by one. ``heads``: which of the model's heads they hold (the k-means inits draw per global head).
 
-    The caller (:meth:`QVGConfig.quantize_into`) has validated ``x``, ``warm_start`` and ``heads`` against the
-    storage; with a ``gate``, the values were checked on the device only, and nothing may be written unless
-    ``gate.ok()``. ``heads``: which of the model's heads ``x`` holds (the k-means init draws per global head).
+    With a ``status``: for the reference each write was checked (:meth:`WriteStatus.check`) and write ``i``
+    stores only while ``status.allows(seq_i)``, read on the host; the Triton encoder checks the values itself
+    (``checks``: each write's name and condition messages; ``holds``: bool [I, 1], False where a write's
+    warm-start condition fails) and gates every store on the device, by the same rule.
     """
+    if triton:
+        from .triton.encoder import encode
+
+        encode(config, writes, status, checks, holds, heads)
+        return
+    for write in writes:
+        if status is None or bool(status.allows(write.seq)):  # free on the CPU; a sync on CUDA
+            reference_write(config, write, heads)
+
+
+def reference_write(config: QVGConfig, write: Write, heads: HeadSlice | None = None) -> None:
+    """Pack one write with the PyTorch reference. Everything is computed first and written last."""
+    storage, x, token_start, slot, _, warm = write
     B, N, H, D = x.shape
     K, f = config.centroids, compute_dtype_for(x.dtype)
-
-    ops = encoder_ops(config, x)
     points = x.to(f).permute(0, 2, 1, 3).reshape(B * H, N, D)  # one k-means problem per (batch, head)
     stages = []  # (stored centroids, centroid scales, ids) per stage
     for t in range(config.stages):
-        if warm_start is not None:
+        if warm is not None:
+            warm_start, warm_slot = warm
             wscales = None if warm_start.centroid_scales is None else warm_start.centroid_scales[warm_slot, t]
             init = decode_centroids(warm_start.centroids[warm_slot, t], wscales, f).reshape(B * H, K, D)
         else:
             generator = torch.Generator(device=x.device).manual_seed(config.seed + t)
             init = kmeans_init(points, K, config.kmeans_init, generator, heads)
-        stored, scales = round_centroids(ops.lloyd(points, init, config.kmeans_iters), config)
+        centroids = lloyd(points, init, config.kmeans_iters, config.kmeans_precision)
+        stored, scales = round_centroids(centroids, config)
         table = decode_centroids(stored, scales, f)
-        ids = ops.assign(points, table).long()
-        if ops.write_residual is None or t + 1 < config.stages:  # the kernel subtracts the last stage itself
-            points = points - gather_rows(table, ids)
+        ids = assign(points, table)
+        points = points - gather_rows(table, ids)
         stages.append((stored, scales, ids))
 
+    codes = quantize_residual(points.reshape(B, H, N, D).transpose(1, 2), config)
     tokens = slice(token_start, token_start + N)
-    if gate is not None and not gate.ok_on_host():
-        return  # a failed write stores nothing
-    if ops.write_residual is not None:
-        write_stages(storage, stages, tokens, slot)  # the residual kernel reads them back from the storage
-        ops.write_residual(storage, x, token_start=token_start, slot=slot)
-        return
-
-    residual = points.reshape(B, H, N, D).transpose(1, 2)
-    codes = quantize_residual(residual, config)
-    packed_codes = pack_codes(codes.u, config)
-
-    storage.codes[:, tokens] = packed_codes
+    storage.codes[:, tokens] = pack_codes(codes.u, config)
     storage.scales[:, tokens] = codes.scales
     if storage.zeros is not None:
         storage.zeros[:, tokens] = codes.zeros

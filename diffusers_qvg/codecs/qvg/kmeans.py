@@ -1,4 +1,5 @@
-"""Batched Euclidean k-means for QVG: deterministic inits, Lloyd iterations via flash-kmeans, assignment.
+"""Batched Euclidean k-means for QVG, the reference: deterministic inits, Lloyd iterations (flash-kmeans for
+float32-accurate assignments, a PyTorch loop for bf16/TF32-rounded ones), assignment.
 
 Points come as ``x`` [P, N, D] (P = batch * heads problems of N points each, batch-major). Every random draw
 uses the caller's ``torch.Generator``; the global RNG is never touched (flash-kmeans itself would draw its init
@@ -18,6 +19,7 @@ import torch
 from ..base import HeadSlice
 
 KMeansInit = Literal["kmeans++", "strided", "random"]
+KMeansPrecision = Literal["tf32x3", "tf32", "bf16"]
 
 
 def squared_distances(x: torch.Tensor, x_sq: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -105,15 +107,24 @@ def _greedy_kmeans_plusplus(
     return centroids
 
 
-def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int) -> torch.Tensor:
+def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int, precision: KMeansPrecision = "tf32x3") -> torch.Tensor:
     """Run ``iters`` Lloyd iterations from ``centroids`` [P, K, D]; empty clusters keep their centroid.
 
-    CUDA float32/16: flash-kmeans' Triton ``batch_kmeans_Euclid``. It checks ``shift < tol`` on the host
-    after every iteration (one sync per iteration) and accumulates centroid sums with float32 atomics, so
-    GPU results can differ in the last bits between runs. Elsewhere (CPU, float64): flash-kmeans' torch
-    fallback, deterministic; it keeps distances and centroid sums in float32 even for float64 input.
+    ``precision`` is the format the assignment step multiplies points and centroids in (the Triton kernels'
+    ``QVGConfig.kmeans_precision``): ``"tf32x3"`` is about float32 and runs flash-kmeans as it is; ``"tf32"``
+    and ``"bf16"`` round both operands to nearest-even in that format first (exactly what the kernels feed
+    their tensor cores), then assign and average as below; the means are of the unrounded points.
+
+    flash-kmeans, for ``"tf32x3"``: on CUDA float32/16 its Triton ``batch_kmeans_Euclid``, which checks
+    ``shift < tol`` on the host after every iteration (one sync per iteration) and accumulates centroid sums
+    with float32 atomics, so GPU results can differ in the last bits between runs. Elsewhere (CPU, float64):
+    its torch fallback, deterministic; it keeps distances and centroid sums in float32 even for float64 input.
     """
     if iters == 0:
+        return centroids
+    if precision != "tf32x3":
+        for _ in range(iters):
+            centroids = cluster_means(x, assign(round_operand(x, precision), round_operand(centroids, precision)), centroids)
         return centroids
     P, K, D = centroids.shape
     if x.is_cuda and x.dtype != torch.float64:
@@ -122,3 +133,23 @@ def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int) -> torch.Tensor:
         from flash_kmeans.torch_fallback import batch_kmeans_Euclid_torch_native as run
     _, result, _ = run(x.contiguous(), K, max_iters=iters, tol=0.0, init_centroids=centroids.contiguous())
     return result.to(x.dtype)
+
+
+def round_operand(v: torch.Tensor, precision: KMeansPrecision) -> torch.Tensor:
+    """``v`` rounded to nearest-even bf16 or TF32 (10 explicit mantissa bits), in its own dtype."""
+    if precision == "bf16":
+        return v.to(torch.bfloat16).to(v.dtype)
+    if precision != "tf32":
+        raise ValueError(f"unknown k-means precision {precision!r}; use 'tf32x3', 'tf32' or 'bf16'")
+    bits = v.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # the float32 bits, unsigned
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    return (bits - ((bits >> 31) << 32)).to(torch.int32).view(torch.float32).to(v.dtype)
+
+
+def cluster_means(x: torch.Tensor, ids: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """The mean of the points of ``x`` [P, N, D] in each cluster of ``ids`` [P, N]; empty clusters keep ``old``."""
+    P, K, D = old.shape
+    flat = (ids + K * torch.arange(P, device=x.device).unsqueeze(1)).flatten()
+    sums = x.new_zeros(P * K, D).index_add_(0, flat, x.reshape(-1, D)).view(P, K, D)
+    counts = torch.bincount(flat, minlength=P * K).view(P, K, 1)
+    return torch.where(counts > 0, sums / counts.clamp_min(1).to(x.dtype), old)

@@ -1,10 +1,20 @@
-"""Deterministic k-means centroid update: each cluster's mean summed in a fixed order, no float atomics.
+"""Deterministic k-means centroid update: each cluster's mean, summed in a fixed order, no sort, no atomics.
 
-flash-kmeans accumulates centroid sums with float32 ``atomic_add`` (its sorted variant still adds one
-partial sum per run of equal ids per program, in whatever order the programs finish), so its centroids can
-differ in the last bits between runs. Here points are sorted by cluster (a stable sort; cluster bounds by binary search), and one program
-per (problem, cluster) adds its cluster's points block by block in sorted order: the same bits every run.
-Empty clusters keep their previous centroid.
+One program per (block of centroids, problem) walks the problem's points in order, block by block, and
+adds each block into its centroids' sums with one matrix product: a one-hot matrix ``[centroid == id]``
+(exact 0/1) times the points, on tensor cores. The products are exact: stage-0 points of a bf16 (fp16)
+tensor are bf16 (fp16) values, and float32 points are split exactly into three bf16 parts (8 + 8 + 8
+significant bits), multiplied one after the other. So the sums are float32 sums of the points themselves,
+in an order fixed by the code (the same bits every run), and the mean is the IEEE quotient by the count.
+flash-kmeans (the reference on CUDA) adds float32 atomics instead, so its bits vary between runs; its torch
+fallback sums each cluster sequentially with ``index_add_``. The order of float32 additions differs, so the
+results agree to float32 rounding, not bit for bit (tests/test_triton_kmeans.py holds them to it). Empty
+clusters keep their previous centroid.
+
+The product is taken transposed (points^T @ one-hot^T), so that the head dimension is the tensor cores' M.
+With ``OPERANDS`` a program also leaves its new centroids rounded to the next assignment's input format
+(``QVGConfig.kmeans_precision``) with their squared norms, so that the assignment's programs (74 per
+problem for a 4,680-token chunk) do not each round and reduce the whole table again.
 """
 
 from __future__ import annotations
@@ -13,40 +23,99 @@ import torch
 import triton
 import triton.language as tl
 
-from . import check_runnable
-from .assign import assign
+from . import INTERPRETING, check_runnable
+from .assign import launch_assign
+from .numerics import round_to_bf16
+from .problems import (
+    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
+    working_rows,
+)
 
-BLOCK_POINTS = 32
+BLOCK_POINTS = 128
+BLOCK_CENTROIDS = 32
 
 
 @triton.jit
+def _add_members(acc, hit, points, EXACT: tl.constexpr, INTERPRET: tl.constexpr):
+    """``acc + hit @ points`` with every product exact (``hit`` is 0/1; see the module docstring)."""
+    if EXACT != "split":
+        return exact_dot(tl.trans(points), tl.trans(hit.to(points.dtype)), acc, EXACT, INTERPRET)
+    else:
+        hit = hit.to(tl.float32)
+        high = round_to_bf16(points)
+        rest = points - high  # exact: the rounding error of a float32 is a float32
+        middle = round_to_bf16(rest)
+        hit = tl.trans(hit)
+        acc = exact_dot(tl.trans(high), hit, acc, "bf16", INTERPRET)
+        acc = exact_dot(tl.trans(middle), hit, acc, "bf16", INTERPRET)
+        return exact_dot(tl.trans(rest - middle), hit, acc, "bf16", INTERPRET)  # the last 8 bits: exact in bf16
+
+
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
 def _centroid_update_kernel(
-    x_ptr, order_ptr, start_ptr, count_ptr, old_ptr, out_ptr,
-    n_centroids,
-    s_x_p, s_x_n, s_x_d,
-    s_order_p, s_order_n,
-    s_old_p, s_old_k, s_old_d,
-    s_out_p, s_out_k, s_out_d,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    s_x_b, s_x_t, s_x_h, s_x_d,
+    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr,
+    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, EXACT: tl.constexpr,
+    OPERANDS: tl.constexpr, PRECISION: tl.constexpr,
+    CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
-    k = tl.program_id(0).to(tl.int64)
-    start = tl.load(start_ptr + p * n_centroids + k)
-    count = tl.load(count_ptr + p * n_centroids + k)
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_mask = ks < n_centroids
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    acc = tl.zeros([BLOCK_N, D_PAD], tl.float32)
-    for i in range(0, count, BLOCK_N):
-        offsets = i + tl.arange(0, BLOCK_N)
-        rows = tl.load(order_ptr + p * s_order_p + (start + offsets).to(tl.int64) * s_order_n, mask=offsets < count, other=0)
-        acc += tl.load(
-            x_ptr + p * s_x_p + rows[:, None].to(tl.int64) * s_x_n + (cols * s_x_d)[None, :],
-            mask=(offsets < count)[:, None] & col_mask[None, :], other=0,
-        ).to(tl.float32)
-    total = tl.sum(acc, axis=0)
-    old = tl.load(old_ptr + p * s_old_p + k * s_old_k + cols * s_old_d, mask=col_mask, other=0).to(tl.float32)
-    mean = tl.where(count > 0, tl.math.div_rn(total, tl.maximum(count, 1).to(tl.float32)), old)
-    tl.store(out_ptr + p * s_out_p + k * s_out_k + cols * s_out_d, mean, mask=col_mask)
+    ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
+    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
+    hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
+    for n0 in range(0, n_points, BLOCK_N):
+        tokens = n0 + tl.arange(0, BLOCK_N)
+        row_mask = tokens < n_points
+        ids = tl.load(ids_row + tokens, mask=row_mask, other=-1)
+        hit = ks[:, None] == ids[None, :]  # [BLOCK_K, BLOCK_N]
+        hits += hit.to(tl.int32)
+        if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
+            points = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d)
+        else:
+            points = stage_points(
+                x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+                p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
+            )
+        sums = _add_members(sums, hit, points, EXACT, INTERPRET)
+    counts = tl.sum(hits, axis=1)
+    old = working_rows(
+        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+        cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
+    )
+    count = counts[:, None]
+    mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), old)
+    offsets = (ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]
+    mask = k_mask[:, None] & col_mask[None, :]
+    tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=mask)
+    if OPERANDS:  # for the next assignment: rounded once here, not by each of its programs
+        operand = lloyd_operand(mean, PRECISION)
+        tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols[None, :]), operand, mask=mask)
+        tl.store(norm_ptr + p * n_centroids + ks, tl.sum(operand * operand, axis=1), mask=k_mask)
+
+
+def launch_update(
+    problems: Problems, stage: int, *, from_points: bool = False, operands: str | None = None
+) -> None:
+    """Replace the working centroids by the means of stage ``stage``'s points under ``problems.ids[stage]``
+    (the strided init's points are the previous centroids when ``from_points``); with ``operands`` (a
+    k-means precision), also the next assignment's operands and norms."""
+    pr = problems
+    exact = exact_format(pr.x.dtype) if stage == 0 else None
+    D = pr.head_dim
+    _centroid_update_kernel[(triton.cdiv(pr.centroids, BLOCK_CENTROIDS), pr.count)](
+        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms,
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, FROM_POINTS=from_points,
+        OPERANDS=operands is not None, PRECISION=operands or "tf32x3",
+        EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
+        BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_warps=8, enable_fp_fusion=False, **pr.flags(),
+    )  # fmt: skip
 
 
 def update_centroids(x: torch.Tensor, ids: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -56,23 +125,19 @@ def update_centroids(x: torch.Tensor, ids: torch.Tensor, old: torch.Tensor) -> t
     K = old.shape[1]
     if ids.shape != (P, N) or old.shape != (P, K, D):
         raise ValueError(f"expected ids [P, N] and old centroids [P, K, D] for points {tuple(x.shape)}, got {tuple(ids.shape)}, {tuple(old.shape)}")
-    sorted_ids, order = torch.sort(ids.to(torch.int32), dim=1, stable=True)
-    bounds = torch.searchsorted(sorted_ids, torch.arange(K + 1, dtype=torch.int32, device=x.device).expand(P, -1).contiguous())
-    starts = bounds[:, :-1].to(torch.int32).contiguous()
-    counts = (bounds[:, 1:] - bounds[:, :-1]).to(torch.int32).contiguous()
-    order = order.to(torch.int32)
-    out = torch.empty(P, K, D, dtype=torch.float32, device=x.device)
-    _centroid_update_kernel[(K, P)](
-        x, order, starts, counts, old, out, K,
-        *x.stride(), *order.stride(), *old.stride(), *out.stride(),
-        D=D, D_PAD=triton.next_power_of_2(D), BLOCK_N=BLOCK_POINTS,
-    )
-    return out
+    problems = points_problems(x, K)
+    problems.ids.copy_(ids.view(1, P, N))
+    problems.working.copy_(old)
+    launch_update(problems, 0)
+    return problems.working
 
 
-def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int) -> torch.Tensor:
+def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int, precision: str = "tf32x3") -> torch.Tensor:
     """``iters`` deterministic Lloyd iterations from ``centroids`` [P, K, D]: no host sync, no float atomics."""
-    ids = torch.empty(x.shape[:2], dtype=torch.int32, device=x.device)
-    for _ in range(iters):
-        centroids = update_centroids(x, assign(x, centroids, out=ids), centroids)
-    return centroids
+    check_runnable(x, centroids)
+    problems = points_problems(x, centroids.shape[1], precision)
+    problems.working.copy_(centroids)
+    for i in range(iters):
+        launch_assign(problems, 0, "lloyd", source="operands" if i else "working", precision=precision)
+        launch_update(problems, 0, operands=precision if i + 1 < iters else None)
+    return problems.working if iters else centroids

@@ -26,6 +26,14 @@ def exponent(v):
 
 
 @triton.jit
+def pow2_at_least(v):
+    """2^ceil(log2 v) for v > 0 (exponent clamped to [-126, 127]), 1 for v == 0: the reference's rule."""
+    mantissa = v.to(tl.int32, bitcast=True) & 0x7FFFFF
+    e = exponent(v) + tl.where(mantissa != 0, 1, 0)
+    return tl.where(v > 0, pow2(tl.minimum(tl.maximum(e, -126), 127)), 1.0)
+
+
+@triton.jit
 def rint(v):
     """Round half to even, for |v| < 2^22 (the float32 magic-number trick; exact without fast-math)."""
     return (v + 12582912.0) - 12582912.0
@@ -69,6 +77,15 @@ def round_to_bf16(v):
     """float32 -> the nearest-even bfloat16 value, still as float32 (so any later cast is exact)."""
     bits = v.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_tf32(v):
+    """float32 -> the nearest-even TF32 value (10 explicit mantissa bits), still as float32: a tensor core's
+    TF32 product of such values is exact, whatever rounding the hardware applies to its operands."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
     return bits.to(tl.float32, bitcast=True)
 
 
