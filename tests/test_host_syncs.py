@@ -1,4 +1,7 @@
 """Host reads of device memory per chunk of the real pipeline: none in a denoising forward, one per clean pass.
+With qvg-int2 storage on the Triton path (the CUDA code path; its interpreter here) the same, and the
+Triton launches per layer stay within issue 8's bounds: one window read per layer-forward, one launch
+sequence of the batched encoder (K and V together) per layer in a clean pass.
 
 On the CPU a device sync cannot be seen, so every host read is counted instead (``aten._local_scalar_dense``,
 ``is_nonzero``, ops with data-dependent output shapes, ``Tensor.tolist``), inside the cache's chunk blocks
@@ -6,13 +9,14 @@ On the CPU a device sync cannot be seen, so every host read is counted instead (
 would be a sync. The one read of a clean-context pass is the cache's write status, read when its block ends.
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import diffusers_qvg as dq
+from diffusers_qvg.codecs.qvg import backend
 from diffusers_qvg.pipelines import QVGCausalWanPipeline, tiny_components
 
 READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
@@ -53,15 +57,48 @@ def counting_blocks(cache: dq.QVGCache, monkeypatch):
     yield blocks
 
 
+@contextmanager
+def counting_launches():
+    """The names of the Triton kernels launched inside (interpreted or compiled)."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    names, saved = [], (InterpretedFunction.run, JITFunction.run)
+
+    def counting(original):
+        def run(self, *args, **kwargs):
+            names.append(self.fn.__name__ if hasattr(self, "fn") else self.__name__)
+            return original(self, *args, **kwargs)
+
+        return run
+
+    InterpretedFunction.run, JITFunction.run = counting(saved[0]), counting(saved[1])
+    try:
+        yield names
+    finally:
+        InterpretedFunction.run, JITFunction.run = saved
+
+
 @torch.no_grad()
-@pytest.mark.parametrize("kv_cache", ["bf16"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "qvg-int2"])
 def test_denoising_forwards_read_nothing_and_a_clean_pass_reads_once(kv_cache, monkeypatch):
     pipe = QVGCausalWanPipeline(**tiny_components(seed=0))
     pipe.set_progress_bar_config(disable=True)
-    state = pipe.stream(prompt="a fox", height=32, width=32, num_frames=33, kv_cache=kv_cache, window_frames=6,
+    layers = len(pipe.transformer.blocks)
+    storage = dq.QVGConfig(num_centroids=8, kmeans_iters=1) if kv_cache == "qvg-int2" else kv_cache
+    state = pipe.stream(prompt="a fox", height=32, width=32, num_frames=33, kv_cache=storage, window_frames=6,
                         output_type="latent")
-    with state, counting_blocks(state.cache, monkeypatch) as blocks:
-        list(state)
+    with state, counting_blocks(state.cache, monkeypatch) as blocks, counting_launches() as names:
+        with backend("triton") if kv_cache != "bf16" else nullcontext():
+            list(state)
     assert [final for final, _ in blocks] == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 4 + [True]
     assert [reads for final, reads in blocks if not final] == [0] * 12
     assert [reads for final, reads in blocks if final] == [1] * 3
+    if kv_cache == "bf16":
+        assert names == []
+        return
+    # 3 chunks: the first window holds nothing packed (no read), then one window read per layer-forward
+    # (5 forwards per chunk), and one encoder launch sequence per layer per clean pass.
+    sequence = state.cache.config.storage.stages * (2 * 1 + 2) + 1
+    assert names.count("_window_kernel") == 2 * 5 * layers
+    assert len(names) - names.count("_window_kernel") == 3 * layers * sequence

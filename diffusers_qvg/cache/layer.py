@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .cache import QVGCache
 
 KV = tuple[Packed, Packed]
+ROLES = ("key", "value")
 
 
 class LayerCache:
@@ -163,17 +164,13 @@ class LayerCache:
                 dests, start, slot = self.blocks[move.block], move.slot * layout.slot_tokens, move.slot
                 warm = None if move.warm is None else (self.blocks[move.warm[0]], move.warm[1])
         codec = self.destination(move)
-        for i, role in enumerate(("key", "value")):
-            codec.quantize_into(
-                dests[i],
-                chunk[i],
-                token_start=start,
-                slot=slot,
-                role=role,
-                warm_start=None if warm is None else warm[0][i],
-                warm_slot=0 if warm is None else warm[1],
-                status=owner.status,
-                what=f"layer {self.index}'s {role}s",
-                heads=owner.head_slice,
-            )
-            owner.block_writes += 1
+        # K and V in one call: one launch sequence of QVG's batched encoder, checked in that order.
+        codec.quantize_batch_into(
+            [(dests[i], chunk[i], start, slot) for i in range(2)],
+            roles=ROLES,
+            warm_starts=[None if warm is None else (warm[0][i], warm[1]) for i in range(2)],
+            status=owner.status,
+            whats=[f"layer {self.index}'s {role}s" for role in ROLES],
+            heads=owner.head_slice,
+        )
+        owner.block_writes += 2
