@@ -145,7 +145,7 @@ class QVGCache:
         self.interrupted: str | None = None
         self.block_writes = 0  # checked writes in the current chunk block (the status is read if any)
         for layer in self.layers:
-            layer.ring, layer.sink, layer.blocks = None, None, []
+            layer.ring, layer.sink, layer.blocks, layer.window = None, None, [], None
         self.workspace.release()
 
     @contextmanager
@@ -304,7 +304,7 @@ class QVGCache:
         if final:
             storage = [(layer.ring, layer.sink, len(layer.blocks)) for layer in self.layers]
             commit = Commit(*layout.finalize(), previous=layout, storage=storage)
-        if moves:
+        if moves and not self.config.in_place:  # in place, a finished chunk already is where it belongs
             self.block_moved = True
             self.apply_moves(moves, layout)
         self.layout = layout
@@ -316,7 +316,8 @@ class QVGCache:
             self.set_geometry(hidden_states.shape[0], heads, self.head_dim, hidden_states.dtype, hidden_states.device)
         if self.geometry is not None:
             self.reserve_workspace()
-            self.window_views()
+            if not self.config.in_place:
+                self.window_views()
         return self.plan.current_rotary
 
     def apply_moves(self, moves: list[Move], layout: ChunkLayout) -> None:
@@ -518,15 +519,23 @@ class QVGCache:
             self.window = self.workspace.views((B, self.plan.window_tokens, H, D))
         return self.window
 
-    def reserve_workspace(self) -> None:
-        B, H, D, dtype, device = self.geometry
+    def window_capacity(self) -> int:
+        """Tokens of the largest window the layout can show: the window, or sink, packed pool, recent chunks
+        and the current chunk."""
         layout, cfg = self.layout, self.config
         if cfg.window_frames is not None:
-            tokens = cfg.window_frames * layout.tokens_per_frame
-        else:  # sink, packed pool, recent chunks and the current chunk
-            chunks = max(1, layout.num_blocks) * layout.block_slots + cfg.keep_recent_chunks + 1
-            tokens = cfg.sink_frames * layout.tokens_per_frame + chunks * layout.slot_tokens
-        if self.workspace.reserve(B * tokens * H * D, dtype, device):
+            return cfg.window_frames * layout.tokens_per_frame
+        chunks = max(1, layout.num_blocks) * layout.block_slots + cfg.keep_recent_chunks + 1
+        return cfg.sink_frames * layout.tokens_per_frame + chunks * layout.slot_tokens
+
+    def reserve_workspace(self) -> None:
+        """The shared window workspace, or under ``in_place`` each known layer's own window buffers."""
+        B, H, D, dtype, device = self.geometry
+        tokens = self.window_capacity()
+        if self.config.in_place:
+            for layer in self.layers:
+                layer.ensure_window(tokens)
+        elif self.workspace.reserve(B * tokens * H * D, dtype, device):
             self.window = None  # new buffers: the views of the old ones are stale
 
     def allocate(self, codec: CodecConfig, tokens: int, slots: int) -> tuple[Packed, Packed]:
@@ -549,11 +558,12 @@ class QVGCache:
     def memory_report(self, gathered: bool = False) -> MemoryReport:
         """The cache's bytes by part; under Ulysses, this rank's (its H/N heads), or with ``gathered=True``
         the sum over the group's ranks (a collective: call it on every rank)."""
-        sink = packed = ring = 0
+        sink = packed = ring = window = 0
         for layer in self.layers:
             sink += sum(s.nbytes for s in layer.sink or ())
             packed += sum(s.nbytes for kv in layer.blocks for s in kv)
             ring += sum(s.nbytes for s in layer.ring or ())
+            window += 0 if layer.window is None else sum(s.nbytes for s in layer.window.storage)
         current = ring * self.config.current_slots // self.layout.ring_slots if ring else 0
         tokens = sum(c.tokens for c in self.layout.chunks)
         per_token = 0
@@ -561,8 +571,9 @@ class QVGCache:
             B, H, D, _, _ = self.geometry
             per_token = 2 * B * H * D * 2 * len(self.layers)  # K and V, 2 bytes each, every layer
         rotary = 0 if self.planned is None else self.planned[1].rotary_nbytes
-        parts = [sink, packed, ring - current, current, self.workspace.nbytes + rotary, tokens * per_token]
+        parts = [sink, packed, ring - current, current, self.workspace.nbytes + rotary, tokens * per_token, window]
         ranks = 1
         if gathered and self.shard is not None:
             parts, ranks = self.shard.sum(parts), self.shard.world
-        return MemoryReport(*parts, cached_tokens=tokens, ranks=ranks)
+        *parts, window = parts
+        return MemoryReport(*parts, cached_tokens=tokens, ranks=ranks, window=window)

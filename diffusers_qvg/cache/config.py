@@ -73,6 +73,13 @@ class CacheConfig:
         return BF16Config()
 
     @property
+    def in_place(self) -> bool:
+        """Nothing quantized and keys stored rotated: each layer attends to its storage in place
+        (:mod:`~diffusers_qvg.cache.window`), as Self-Forcing's own cache does; nothing is decoded."""
+        dense = BF16Config
+        return isinstance(self.storage, dense) and isinstance(self.sink_storage, dense) and not self.keys_before_rope
+
+    @property
     def current_slots(self) -> int:
         """Unquantized slots for the chunk being denoised: 1 when every forward stores it, else 0."""
         return int(self.commit == "on-advance")

@@ -15,6 +15,7 @@ import torch
 from ..codecs import CodecConfig, Packed
 from .errors import ChunkRewriteSizeError
 from .layout import ChunkLayout, Move, ToRing, ToSink
+from .window import InPlaceWindow
 from . import ops
 
 if TYPE_CHECKING:
@@ -31,10 +32,25 @@ class LayerCache:
         self.ring: KV | None = None
         self.sink: KV | None = None
         self.blocks: list[KV] = []
+        self.window: InPlaceWindow | None = None  # under CacheConfig.in_place, instead of all of the above
 
     def storages(self) -> list[Packed]:
-        parts = [self.ring, self.sink, *self.blocks]
+        parts = [self.ring, self.sink, *self.blocks, None if self.window is None else self.window.storage]
         return [s for kv in parts if kv is not None for s in kv]
+
+    def ensure_window(self, tokens: int) -> None:
+        """In-place buffers of at least ``tokens`` tokens (allocated once, grown only past a bound)."""
+        if self.window is None or self.window.capacity < tokens:
+            storage = self.owner.allocate(self.owner.config.dense, tokens, 1)
+            self.window = InPlaceWindow(storage) if self.window is None else self.window.grown(storage)
+
+    def window_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values this forward attends to: the layer's in-place window, or the shared workspace."""
+        owner = self.owner
+        if not owner.config.in_place:
+            return owner.window_views()
+        self.ensure_window(owner.window_capacity())
+        return self.window.views(owner.plan.window_tokens)
 
     @torch.no_grad()
     def update(
@@ -51,7 +67,7 @@ class LayerCache:
         owner = self.owner
         owner.require_plan()
         owner.ensure_geometry(key)
-        keys, values = owner.window_views()
+        keys, values = self.window_views()
         stored = key if owner.config.keys_before_rope else rotated_key
         if owner.config.current_slots:  # "on-advance": every forward rewrites the chunk's ring slot
             ops.store(self, stored, value, keys, final=False)
@@ -81,6 +97,11 @@ class LayerCache:
         self.check(rotated_key, value)
         owner, cfg = self.owner, self.owner.config
         plan = owner.plan
+        if cfg.in_place:  # the history is already in place; only this forward's chunk is copied behind it
+            if self.window.settle(owner.planned[0], f"layer {self.index}"):
+                owner.block_moved = True  # chunks that left the window were overwritten
+            self.window.write(owner.layout.current.start_frame, plan.current_start, rotated_key, value)
+            return
         rotary = plan.rotary if cfg.keys_before_rope else None
         reads = [(cfg.sink_storage, self.sink, plan.sink), (cfg.dense, self.ring, plan.recent)]
         reads += [(cfg.storage, self.blocks[b], table) for b, table in plan.packed]
@@ -97,6 +118,8 @@ class LayerCache:
         counts as committed."""
         self.check(key, value)
         owner = self.owner
+        if not final and owner.config.in_place:
+            return  # the read wrote the chunk in place
         if not final:
             self.apply(ToRing(owner.layout.current.slot, owner.layout.current.tokens), owner.layout, (key, value))
             return
@@ -113,8 +136,9 @@ class LayerCache:
         for x, role in ((key, "key"), (value, "value")):
             owner.status.check(x, f"layer {self.index}'s {role}s", limit)
             owner.block_writes += 1
-        for move in commit.moves:
-            self.apply(move, commit.layout, (key, value))
+        if not owner.config.in_place:  # in place, the read stored the chunk (the next read moves it if need be)
+            for move in commit.moves:
+                self.apply(move, commit.layout, (key, value))
         owner.layer_committed(self.index)
 
     def destination(self, move: Move) -> CodecConfig:

@@ -16,6 +16,10 @@ class MemoryReport:
     ``commit="final-pass"`` ``current`` is 0: a chunk being denoised lives only in the workspace (its
     tokens still count in ``cached_tokens``, as a BF16 cache stores them), so read the ratio between chunks.
 
+    ``window`` is the in-place storage of BF16 caches with rotated keys (``CacheConfig.in_place``): sink,
+    history and current chunk in one buffer per layer, sized for the whole window, as Self-Forcing keeps
+    them; such a cache has no other part and no workspace.
+
     Under Ulysses context parallelism a rank's cache holds its H/N heads: ``cache.memory_report()`` counts
     that rank's bytes (``ranks == 1``); ``cache.memory_report(gathered=True)`` sums the bytes of the group's
     ``ranks`` caches (``cached_tokens`` are the same tokens on every rank and are not summed).
@@ -29,10 +33,11 @@ class MemoryReport:
     bf16_equivalent: int
     cached_tokens: int
     ranks: int = 1
+    window: int = 0
 
     @property
     def cache(self) -> int:
-        return self.sink + self.packed + self.recent + self.current
+        return self.sink + self.packed + self.recent + self.current + self.window
 
     @property
     def total(self) -> int:
