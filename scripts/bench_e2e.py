@@ -107,6 +107,7 @@ def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, te
         chunks=len(seconds),
         seconds_per_chunk=statistics.median(seconds),
         kv_bytes=report.cache,
+        total_bytes=report.total,
         bf16_bytes=report.bf16_equivalent,
         peak_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         error=None,

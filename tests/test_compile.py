@@ -76,12 +76,16 @@ def run_stream(models, caches, counter, chunks, compare):
 
 @torch.no_grad()
 @pytest.mark.parametrize(
-    "name, keep_recent_chunks", [(name, 0) for name in STORAGES] + [("qvg-int2", 1)]  # 1: recent BF16 ring reads
+    "name, keep_recent_chunks, rotated",
+    # 1: recent BF16 ring reads; rotated: BF16 with keys stored after RoPE attends to its storage in place
+    [(name, 0, False) for name in STORAGES] + [("qvg-int2", 1, False), ("bf16", 0, True)],
 )
-def test_a_compiled_stream_equals_eager_and_stops_compiling_after_two_chunks(name, keep_recent_chunks):
+def test_a_compiled_stream_equals_eager_and_stops_compiling_after_two_chunks(name, keep_recent_chunks, rotated):
     models, caches, counter = compiled_pair(
-        STORAGES[name], commit="final-pass", keep_recent_chunks=keep_recent_chunks, **WINDOW
+        STORAGES[name], commit="final-pass", keep_recent_chunks=keep_recent_chunks, keys_before_rope=not rotated,
+        **WINDOW,
     )
+    assert caches[0].config.in_place == rotated
     counts = run_stream(models, caches, counter, 6, lambda a, b: torch.testing.assert_close(a, b, rtol=0, atol=0))
     assert counts[1] == counts[-1] <= 4, counts
     assert [(c.start_frame, c.place) for c in caches[1].layout.chunks] == [

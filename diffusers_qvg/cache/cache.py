@@ -145,7 +145,7 @@ class QVGCache:
         self.interrupted: str | None = None
         self.block_writes = 0  # checked writes in the current chunk block (the status is read if any)
         for layer in self.layers:
-            layer.ring, layer.sink, layer.blocks, layer.window = None, None, [], None
+            layer.ring, layer.sink, layer.blocks, layer.window, layer.views = None, None, [], None, None
         self.workspace.release()
 
     @contextmanager
@@ -316,6 +316,8 @@ class QVGCache:
             self.set_geometry(hidden_states.shape[0], heads, self.head_dim, hidden_states.dtype, hidden_states.device)
         if self.geometry is not None:
             self.reserve_workspace()
+            for layer in self.layers if self.config.in_place else ():
+                layer.plan_views()
             if not self.config.in_place:
                 self.window_views()
         return self.plan.current_rotary

@@ -33,6 +33,7 @@ class LayerCache:
         self.sink: KV | None = None
         self.blocks: list[KV] = []
         self.window: InPlaceWindow | None = None  # under CacheConfig.in_place, instead of all of the above
+        self.views: tuple[torch.Tensor, torch.Tensor] | None = None  # in place: the window this chunk attends to
 
     def storages(self) -> list[Packed]:
         parts = [self.ring, self.sink, *self.blocks, None if self.window is None else self.window.storage]
@@ -44,13 +45,21 @@ class LayerCache:
             storage = self.owner.allocate(self.owner.config.dense, tokens, 1)
             self.window = InPlaceWindow(storage) if self.window is None else self.window.grown(storage)
 
+    def plan_views(self) -> None:
+        """In place: the chunk's window as views of the buffers, made when the chunk is planned (so that a
+        compiled forward takes them as inputs, as it takes the workspace's views)."""
+        self.ensure_window(self.owner.window_capacity())
+        W = self.owner.plan.window_tokens
+        self.views = tuple(t[:, :W] for t in self.window.tensors)
+
     def window_views(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values this forward attends to: the layer's in-place window, or the shared workspace."""
+        """What this forward's read fills: views of the shared workspace [B, W, H, D], or, in place, the
+        layer's whole buffers (the read may move chunks beyond the new window's end)."""
         owner = self.owner
         if not owner.config.in_place:
             return owner.window_views()
         self.ensure_window(owner.window_capacity())
-        return self.window.views(owner.plan.window_tokens)
+        return self.window.tensors
 
     @torch.no_grad()
     def update(
@@ -74,6 +83,10 @@ class LayerCache:
         ops.read_window(self, keys, values, rotated_key, value)
         if owner.commit is not None:  # the clean-context pass stores the chunk where it now belongs
             ops.store(self, stored, value, keys, final=True)
+        if owner.config.in_place:
+            if self.views is None:  # a layer found in this (eager) forward; the others' views come with the plan
+                self.plan_views()
+            return self.views
         return keys, values
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -98,9 +111,9 @@ class LayerCache:
         owner, cfg = self.owner, self.owner.config
         plan = owner.plan
         if cfg.in_place:  # the history is already in place; only this forward's chunk is copied behind it
-            if self.window.settle(owner.planned[0], f"layer {self.index}"):
+            if self.window.settle((keys, values), owner.planned[0], f"layer {self.index}"):
                 owner.block_moved = True  # chunks that left the window were overwritten
-            self.window.write(owner.layout.current.start_frame, plan.current_start, rotated_key, value)
+            self.window.write((keys, values), owner.layout.current.start_frame, plan.current_start, rotated_key, value)
             return
         rotary = plan.rotary if cfg.keys_before_rope else None
         reads = [(cfg.sink_storage, self.sink, plan.sink), (cfg.dense, self.ring, plan.recent)]

@@ -38,13 +38,12 @@ class InPlaceWindow:
         window.held = dict(self.held)
         return window
 
-    def views(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``tokens`` tokens of K and V [B, tokens, H, D] (strided over the batch)."""
-        return tuple(t[:, :tokens] for t in self.tensors)
-
-    def settle(self, layout: ChunkLayout, what: str) -> bool:
+    def settle(self, buffers: tuple[torch.Tensor, torch.Tensor], layout: ChunkLayout, what: str) -> bool:
         """Move the chunks of ``layout`` (all but the current one) to their places in its window, in token
         order; chunks not in it are forgotten. Returns whether anything moved.
+
+        ``buffers`` are :attr:`tensors` as the caller passes them (inside a compiled forward, what the opaque
+        read op was given: only writes into its arguments count).
 
         Chunks only leave the window from its front (after the sink), so every chunk moves towards the
         front: copied oldest first, in pieces no longer than the distance moved, no copy reads what an
@@ -67,13 +66,15 @@ class InPlaceWindow:
             step = src - dst
             for offset in range(0, n, step):
                 m = min(step, n - offset)
-                for t in self.tensors:
+                for t in buffers:
                     t[:, dst + offset : dst + offset + m].copy_(t[:, src + offset : src + offset + m])
         self.held = held
         return bool(moves)
 
-    def write(self, start_frame: int, dst: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    def write(
+        self, buffers: tuple[torch.Tensor, torch.Tensor], start_frame: int, dst: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
         """The current chunk (keys rotated) into its place behind the history."""
-        for t, x in zip(self.tensors, (key, value)):
+        for t, x in zip(buffers, (key, value)):
             t[:, dst : dst + x.shape[1]].copy_(x)
         self.held[start_frame] = dst
