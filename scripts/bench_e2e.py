@@ -7,7 +7,8 @@ median seconds per chunk over a warm run, the cache's resident bytes against the
 frames, and the peak GPU memory. The pipeline stores only each chunk's clean-context pass.
 
 The anchor is the plain BF16 cache a Self-Forcing user runs: rotated keys stored as they are, nothing rotated
-on read (``kv_cache="bf16", keys_before_rope=False``; the same video as with keys stored before RoPE). Every
+on read, attended in place (``kv_cache="bf16", keys_before_rope=False``: ``CacheConfig.in_place``; the same
+video as with keys stored before RoPE). Every
 other row is reported as its seconds per chunk over the anchor's: the BF16 cache with keys stored before RoPE
 (what the cache rotates on every read), and the compressed storages with the pipeline's default
 ``keep_recent_chunks`` (0: every chunk packed) and with 1 (one finished chunk stays BF16); the table says
