@@ -42,6 +42,13 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 128 centroids": (dq.QVGConfig(num_centroids=128), False),
         "qvg-int2 tf32x3 k-means": (dq.QVGConfig(kmeans_precision="tf32x3"), False),
         "qvg-int2 tf32 k-means": (dq.QVGConfig(kmeans_precision="tf32"), False),
+        # The encoder's GPU time is mostly Lloyd iterations (docs/benchmarks.md, "Encoder"): fewer of them,
+        # from the strided init or warm-started from the previous chunk's centroids.
+        "qvg-int2 2 Lloyd iters": (dq.QVGConfig(kmeans_iters=2), False),
+        "qvg-int2 1 Lloyd iter": (dq.QVGConfig(kmeans_iters=1), False),
+        "qvg-int2 0 Lloyd iters": (dq.QVGConfig(kmeans_iters=0), False),
+        "qvg-int2 warm start, 1 Lloyd iter": (dq.QVGConfig(kmeans_iters=1), True),
+        "qvg-int2 warm start, 0 Lloyd iters": (dq.QVGConfig(kmeans_iters=0), True),
     }
     return rows
 

@@ -13,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
+from launch_counts import counting_launches
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import diffusers_qvg as dq
@@ -55,28 +56,6 @@ def counting_blocks(cache: dq.QVGCache, monkeypatch):
     monkeypatch.setattr(cache, "chunk", counted)
     monkeypatch.setattr(torch.Tensor, "tolist", counted_tolist)
     yield blocks
-
-
-@contextmanager
-def counting_launches():
-    """The names of the Triton kernels launched inside (interpreted or compiled)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    names, saved = [], (InterpretedFunction.run, JITFunction.run)
-
-    def counting(original):
-        def run(self, *args, **kwargs):
-            names.append(self.fn.__name__ if hasattr(self, "fn") else self.__name__)
-            return original(self, *args, **kwargs)
-
-        return run
-
-    InterpretedFunction.run, JITFunction.run = counting(saved[0]), counting(saved[1])
-    try:
-        yield names
-    finally:
-        InterpretedFunction.run, JITFunction.run = saved
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from launch_counts import counting_launches
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.groups import scale_candidates
@@ -145,23 +146,8 @@ def test_ternary_codes_at_the_rounding_boundary_are_the_reference_bit_for_bit(se
 
 def launches_of(fn):
     """Names of the Triton kernels ``fn`` launches (interpreted or compiled)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    names, saved = [], (InterpretedFunction.run, JITFunction.run)
-
-    def counting(original):
-        def run(self, *args, **kwargs):
-            names.append(self.fn.__name__ if hasattr(self, "fn") else self.__name__)
-            return original(self, *args, **kwargs)
-
-        return run
-
-    InterpretedFunction.run, JITFunction.run = counting(saved[0]), counting(saved[1])
-    try:
+    with counting_launches() as names:
         fn()
-    finally:
-        InterpretedFunction.run, JITFunction.run = saved
     return names
 
 
