@@ -7,7 +7,9 @@ forward copies only its own chunk; chunks that leave the window move forward onc
 
 import pytest
 import torch
+from test_cache import assert_unchanged, snapshot
 from test_cache_equivalence import generate
+from test_cache_recache import FINAL, OLD, SINK_BEFORE_SLIDE, recache, stream
 from torch.utils._python_dispatch import TorchDispatchMode
 from wan_helpers import HEAD_DIM, HEADS, HEIGHT, TOKENS_PER_FRAME, WIDTH, tiny_wan
 
@@ -132,3 +134,18 @@ def test_a_refused_clean_pass_leaves_the_window_as_it_was():
     with cache.chunk(start_frame=4, final=True):  # the pass again, with good latents, stores the chunk
         model(x, torch.tensor([0.0]), torch.randn(1, 5, 32))
     assert [c.start_frame for c in cache.layout.chunks] == [2, 4] and cache.layout.current is None  # 0 left
+
+
+@torch.no_grad()
+def test_a_recache_with_the_same_text_stores_the_same_bits_in_place():
+    model = tiny_wan()
+    cache = dq.enable_qvg(model, "bf16", keys_before_rope=False, keep_recent_chunks=0, **SINK_BEFORE_SLIDE, **FINAL)
+    assert cache.config.in_place
+    clean = stream(model, cache, 4)
+    def pointers():
+        return [t.data_ptr() for layer in cache.layers for s in layer.storages() for t in s.tensors().values()]
+
+    before, where, report = snapshot(cache), pointers(), cache.memory_report()
+    assert recache(model, cache, clean, OLD) == [(2, 2), (4, 2), (6, 2)]
+    assert_unchanged(cache, before)  # the window buffers bit for bit, their tails included
+    assert pointers() == where and cache.memory_report() == report
