@@ -45,10 +45,11 @@ class Setup:
     chunks: int = 5
     batch: int = 1
     steps: tuple[float, ...] = (900.0, 500.0)
+    keys_before_rope: bool = True  # False with bf16 storage: the in-place window (CacheConfig.in_place)
 
     def cache_options(self) -> dict:
         return dict(window_frames=self.window_frames, sink_frames=self.sink_frames, commit=self.commit,
-                    keep_recent_chunks=self.keep_recent_chunks)
+                    keep_recent_chunks=self.keep_recent_chunks, keys_before_rope=self.keys_before_rope)
 
 
 # The pipeline's setting for qvg-int2 (256 centroids, groups of 64 channels): 256 tokens per chunk.
@@ -345,7 +346,8 @@ def checks(world: int, out: Path) -> dict:
     if world == 2:
         found = {f"equal-{name}-{order}": (lambda s=setup, o=order: check_equal(s, o))
                  for name, setup in (("bf16-on-advance", Setup()), ("bf16-final-pass-cfg", FINAL),
-                                     ("qvg-int2-on-advance", QVG_INT2), ("qvg-int2-final-pass", QVG_FINAL))
+                                     ("qvg-int2-on-advance", QVG_INT2), ("qvg-int2-final-pass", QVG_FINAL),
+                                     ("bf16-in-place", Setup(commit="final-pass", keys_before_rope=False)))
                  for order in ORDERS}
         for init in ("random", "kmeans++"):
             setup = Setup(storage=QVG_SMALL.with_(kmeans_init=init), commit="final-pass", keep_recent_chunks=0)
