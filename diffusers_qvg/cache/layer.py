@@ -142,13 +142,17 @@ class LayerCache:
                 f"layer {self.index} already stored this clean-context pass; run one forward per "
                 "cache.chunk(start_frame=..., final=True) block"
             )
-        # The fresh K/V are checked before any move (a move may pack a recent chunk first), so a bad pass
-        # is refused before this layer stores anything; with layer 0 that is before the cache changes.
-        limits = [self.destination(move).max_abs_input for move in commit.moves if getattr(move, "ring_slot", None) is None]
-        limit = min((v for v in limits if v is not None), default=None)
-        for x, role in ((key, "key"), (value, "value")):
-            owner.status.check(x, f"layer {self.index}'s {role}s", limit)
-            owner.block_writes += 1
+        # A bad pass is refused before this layer stores anything (with layer 0: before the cache changes).
+        # When every move stores the fresh K/V, their own checked writes see them first; when a move packs
+        # a recent chunk (from its ring slot) or nothing is moved (in place, or a chunk no later one can see),
+        # the fresh K/V are checked here.
+        moves = commit.moves
+        if owner.config.in_place or not moves or any(getattr(m, "ring_slot", None) is not None for m in moves):
+            limits = [self.destination(m).max_abs_input for m in moves if getattr(m, "ring_slot", None) is None]
+            limit = min((v for v in limits if v is not None), default=None)
+            for x, role in ((key, "key"), (value, "value")):
+                owner.status.check(x, f"layer {self.index}'s {role}s", limit)
+                owner.block_writes += 1
         if not owner.config.in_place:  # in place, the read stored the chunk (the next read moves it if need be)
             for move in commit.moves:
                 self.apply(move, commit.layout, (key, value))
