@@ -59,21 +59,22 @@ def counting_blocks(cache: dq.QVGCache, monkeypatch):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("kv_cache", ["bf16", "qvg-int2"])
+@pytest.mark.parametrize("kv_cache", ["bf16", "bf16 in place", "qvg-int2"])
 def test_denoising_forwards_read_nothing_and_a_clean_pass_reads_once(kv_cache, monkeypatch):
     pipe = QVGCausalWanPipeline(**tiny_components(seed=0))
     pipe.set_progress_bar_config(disable=True)
     layers = len(pipe.transformer.blocks)
-    storage = dq.QVGConfig(num_centroids=8, kmeans_iters=1) if kv_cache == "qvg-int2" else kv_cache
+    storage = dq.QVGConfig(num_centroids=8, kmeans_iters=1) if kv_cache == "qvg-int2" else "bf16"
     state = pipe.stream(prompt="a fox", height=32, width=32, num_frames=33, kv_cache=storage, window_frames=6,
-                        output_type="latent")
+                        keys_before_rope=kv_cache != "bf16 in place", output_type="latent")
+    assert state.cache.config.in_place == (kv_cache == "bf16 in place")
     with state, counting_blocks(state.cache, monkeypatch) as blocks, counting_launches() as names:
-        with backend("triton") if kv_cache != "bf16" else nullcontext():
+        with backend("triton") if kv_cache == "qvg-int2" else nullcontext():
             list(state)
     assert [final for final, _ in blocks] == [False] * 4 + [True] + [False] * 4 + [True] + [False] * 4 + [True]
     assert [reads for final, reads in blocks if not final] == [0] * 12
     assert [reads for final, reads in blocks if final] == [1] * 3
-    if kv_cache == "bf16":
+    if kv_cache != "qvg-int2":
         assert names == []
         return
     # 3 chunks: the first window holds nothing packed (no read), then one window read per layer-forward
