@@ -149,3 +149,14 @@ def test_a_recache_with_the_same_text_stores_the_same_bits_in_place():
     assert recache(model, cache, clean, OLD) == [(2, 2), (4, 2), (6, 2)]
     assert_unchanged(cache, before)  # the window buffers bit for bit, their tails included
     assert pointers() == where and cache.memory_report() == report
+
+
+@torch.no_grad()
+def test_a_window_without_a_bound_grows_its_buffers_and_keeps_its_chunks():
+    """No window: the buffers grow with the packed pool's blocks (8 chunks each), copying what they hold."""
+    model = tiny_wan()
+    cache = dq.enable_qvg(model, "bf16", keys_before_rope=False, keep_recent_chunks=0, commit="final-pass")
+    frames = [1] * 11
+    assert generate(model, cache, frames, final_pass=True) <= 1e-10
+    capacities = {layer.window.capacity for layer in cache.layers}
+    assert capacities == {(2 * 8 + 1) * TOKENS_PER_FRAME}  # grown once: two blocks of 8 one-frame chunks, + current
