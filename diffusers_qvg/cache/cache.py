@@ -316,8 +316,6 @@ class QVGCache:
             self.set_geometry(hidden_states.shape[0], heads, self.head_dim, hidden_states.dtype, hidden_states.device)
         if self.geometry is not None:
             self.reserve_workspace()
-            for layer in self.layers if self.config.in_place else ():
-                layer.plan_views()
             if not self.config.in_place:
                 self.window_views()
         return self.plan.current_rotary
@@ -531,12 +529,13 @@ class QVGCache:
         return cfg.sink_frames * layout.tokens_per_frame + chunks * layout.slot_tokens
 
     def reserve_workspace(self) -> None:
-        """The shared window workspace, or under ``in_place`` each known layer's own window buffers."""
+        """The shared window workspace, or under ``in_place`` each known layer's own buffers and this
+        chunk's views of them (a layer found later plans its own, in its eager first forward)."""
         B, H, D, dtype, device = self.geometry
         tokens = self.window_capacity()
         if self.config.in_place:
             for layer in self.layers:
-                layer.ensure_window(tokens)
+                layer.plan_views()
         elif self.workspace.reserve(B * tokens * H * D, dtype, device):
             self.window = None  # new buffers: the views of the old ones are stale
 

@@ -76,8 +76,8 @@ class CacheConfig:
     def in_place(self) -> bool:
         """Nothing quantized and keys stored rotated: each layer attends to its storage in place
         (:mod:`~diffusers_qvg.cache.window`), as Self-Forcing's own cache does; nothing is decoded."""
-        dense = BF16Config
-        return isinstance(self.storage, dense) and isinstance(self.sink_storage, dense) and not self.keys_before_rope
+        dense = isinstance(self.storage, BF16Config) and isinstance(self.sink_storage, BF16Config)
+        return dense and not self.keys_before_rope
 
     @property
     def current_slots(self) -> int:

@@ -55,10 +55,10 @@ class LayerCache:
     def window_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What this forward's read fills: views of the shared workspace [B, W, H, D], or, in place, the
         layer's whole buffers (the read may move chunks beyond the new window's end)."""
-        owner = self.owner
-        if not owner.config.in_place:
-            return owner.window_views()
-        self.ensure_window(owner.window_capacity())
+        if not self.owner.config.in_place:
+            return self.owner.window_views()
+        if self.views is None:  # a layer found in this (eager) forward; the others' views come with the plan
+            self.plan_views()
         return self.window.tensors
 
     @torch.no_grad()
@@ -83,11 +83,7 @@ class LayerCache:
         ops.read_window(self, keys, values, rotated_key, value)
         if owner.commit is not None:  # the clean-context pass stores the chunk where it now belongs
             ops.store(self, stored, value, keys, final=True)
-        if owner.config.in_place:
-            if self.views is None:  # a layer found in this (eager) forward; the others' views come with the plan
-                self.plan_views()
-            return self.views
-        return keys, values
+        return self.views if owner.config.in_place else (keys, values)
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """The forward's K/V against the plan and the cache's geometry, before anything is read or written."""
@@ -147,8 +143,9 @@ class LayerCache:
         # a recent chunk (from its ring slot) or nothing is moved (in place, or a chunk no later one can see),
         # the fresh K/V are checked here.
         moves = commit.moves
-        if owner.config.in_place or not moves or any(getattr(m, "ring_slot", None) is not None for m in moves):
-            limits = [self.destination(m).max_abs_input for m in moves if getattr(m, "ring_slot", None) is None]
+        fresh = [m for m in moves if getattr(m, "ring_slot", None) is None]  # the moves that store this K/V
+        if owner.config.in_place or not moves or len(fresh) < len(moves):
+            limits = [self.destination(m).max_abs_input for m in fresh]
             limit = min((v for v in limits if v is not None), default=None)
             for x, role in ((key, "key"), (value, "value")):
                 owner.status.check(x, f"layer {self.index}'s {role}s", limit)
