@@ -2,6 +2,7 @@
 slot, the same error guarantees (every error before any state change)."""
 
 import copy
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from wan_helpers import tiny_wan
 import diffusers_qvg as dq
 from diffusers_qvg.attention import cached_self_attention
 from diffusers_qvg.cache.layout import ChunkLayout, Pack, ToRing, ToSink
+from diffusers_qvg.codecs.qvg import backend
 
 FINAL = dict(commit="final-pass")
 
@@ -280,23 +282,97 @@ def test_invalid_commit_policy_names_the_choices():
 
 
 @torch.no_grad()
-def test_a_final_pass_that_stops_part_way_refuses_further_chunks_until_reset():
+@pytest.mark.parametrize("encode_layers", [1, 3])
+def test_a_final_pass_that_stops_part_way_refuses_further_chunks_until_reset(encode_layers):
+    """Alone in its group, layer 0 stored the chunk and layer 1 did not: the cache refuses to go on. In one
+    group with layer 1, layer 0 stored nothing: the cache is as it was."""
     g = torch.Generator().manual_seed(1)
     rope = WanRotaryPosEmbed(D, (1, 1, 1), max_seq_len=32)
-    cache = dq.QVGCache(dq.CacheConfig(**FINAL), num_layers=2)
+    cache = dq.QVGCache(dq.CacheConfig(**FINAL, encode_layers=encode_layers), num_layers=2)
     latent = torch.zeros(1, 1, FRAMES, HEIGHT, WIDTH)
     q, k, v = (video_like(g, 1.0)[0] for _ in range(3))
+    before = cache.layout
     with cache.chunk(start_frame=0, final=True):
         rotary = cache.begin_forward(rope, latent, FRAMES, HEIGHT, WIDTH)
         cached_self_attention(cache.layers[0], q, k, v, rotary)  # layer 1 never runs
         with pytest.raises(RuntimeError, match="stopped part-way"):
             cache.begin_forward(rope, latent, FRAMES, HEIGHT, WIDTH)
-    with pytest.raises(RuntimeError, match="stopped after 1 of 2 layers.*cache.reset()"):
-        with cache.chunk(start_frame=0, final=True):
-            pass
-    cache.reset()
+    if encode_layers == 1:
+        with pytest.raises(RuntimeError, match="stopped after 1 of 2 layers.*cache.reset()"):
+            with cache.chunk(start_frame=0, final=True):
+                pass
+        cache.reset()
+    else:
+        assert cache.layout is before and cache.interrupted is None
+        assert all(layer.storages() == [] for layer in cache.layers)
     with cache.chunk(start_frame=0, final=True):
         rotary = cache.begin_forward(rope, latent, FRAMES, HEIGHT, WIDTH)
         for layer in cache.layers:
             cached_self_attention(layer, q, k, v, rotary)
     assert [c.place for c in cache.layout.chunks] == ["recent"]
+
+
+# ----------------------------------------------------------------------------------------- layer groups
+def grouped_stream(encode_layers, triton=False, bad_layer=None, layers=5, chunks=4, **options):
+    """A float32 tiny Wan through a sliding window with a sink, qvg-int2, ``encode_layers`` layers per
+    encoder call (32 tokens per chunk): every output, and the cache. ``bad_layer``: its values are NaN in
+    the third clean pass."""
+    model = tiny_wan(torch.float32, num_layers=layers)
+    storage = dq.QVGConfig(num_centroids=4, kmeans_iters=2, group_size=4)
+    cache = dq.enable_qvg(model, storage, window_frames=8, sink_frames=2, encode_layers=encode_layers, **FINAL, **options)
+    if bad_layer is not None:
+        def poison(module, args, out):
+            return out.fill_(float("nan")) if cache.active_final and cache.active_start == 4 else out
+        model.blocks[bad_layer].attn1.to_v.register_forward_hook(poison)
+    g = torch.Generator().manual_seed(3)
+    text = torch.randn(1, 5, 32, generator=g)
+    outs = []
+    with backend("triton") if triton else nullcontext():
+        for c in range(chunks):
+            for t in (500.0, 0.0):
+                x = torch.randn(1, 16, 2, 8, 8, generator=g)
+                with cache.chunk(start_frame=2 * c, final=t == 0.0):
+                    outs.append(model(x, torch.tensor([t]), text).sample)
+    return outs, cache
+
+
+def assert_same_stream(grouped, alone):
+    (outs, cache), (expected_outs, expected) = grouped, alone
+    assert all(torch.equal(a, b) for a, b in zip(outs, expected_outs))
+    assert cache.layout.chunks == expected.layout.chunks
+    stored, want = snapshot(cache)[2], snapshot(expected)[2]
+    assert len(stored) == len(want)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(stored, want))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("keep_recent_chunks", [0, 1])
+def test_layers_grouped_for_the_encoder_store_what_each_layer_stores_alone(keep_recent_chunks):
+    """Groups of 2 and 3 layers (5 layers: a short last group) and all 5 in one call store the same bytes
+    as one call per layer, so every output is the same too; packs from the recent ring slot included."""
+    alone = grouped_stream(1, keep_recent_chunks=keep_recent_chunks)
+    places = [c.place for c in alone[1].layout.chunks]
+    assert places[0] == "sink" and "packed" in places and alone[1].layout.chunks[1].start_frame > 2  # it slid
+    for size in (2, 3, 5):
+        assert_same_stream(grouped_stream(size, keep_recent_chunks=keep_recent_chunks), alone)
+
+
+@torch.no_grad()
+def test_layers_grouped_for_the_triton_encoder_store_what_each_layer_stores_alone():
+    """The same through the Triton kernels (their interpreter): 3 layers in groups of 2, one item table."""
+    alone = grouped_stream(1, triton=True, layers=3, chunks=3)
+    assert "packed" in [c.place for c in alone[1].layout.chunks]
+    assert_same_stream(grouped_stream(2, triton=True, layers=3, chunks=3), alone)
+
+
+@torch.no_grad()
+def test_a_bad_layer_in_a_group_stores_only_the_layers_before_it():
+    """Layer 3's values are NaN in a clean pass: layers 0-2 stored the chunk (in groups of 3, layer 3's
+    group stored nothing), the error names layer 3 and the writes before it, the same as layer by layer,
+    and the cache refuses to go on."""
+    messages = []
+    for size in (1, 3):
+        with pytest.raises(ValueError, match="NaN or Inf values in layer 3's values.*stopped after 19 writes") as err:
+            grouped_stream(size, bad_layer=3)  # 6 checked writes per layer: the fresh K/V, a pack, a ring slot
+        messages.append(str(err.value))
+    assert messages[0] == messages[1]

@@ -59,7 +59,7 @@ from ..rotary import compute_dtype_for
 from .config import CacheConfig
 from . import ops
 from .errors import ChunkRewriteSizeError
-from .layer import LayerCache
+from .layer import LayerCache, apply_move
 from .layout import ChunkLayout, Move
 from .memory import MemoryReport
 from .plan import ReadPlan, build_read_plan, window_positions
@@ -77,6 +77,7 @@ class Commit:
     previous: ChunkLayout
     storage: list[tuple] = field(default_factory=list)  # each layer's storage before the pass
     layers_done: set[int] = field(default_factory=set)
+    pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # attended, not stored
 
 
 class QVGCache:
@@ -183,6 +184,7 @@ class QVGCache:
             if hidden_states is not None:
                 self.begin_forward(self.rope, hidden_states, *patch_grid(self.rope, hidden_states))
             yield self
+            self.store_pending()
             completed = True
         finally:
             self.end_chunk(start_frame, completed, start_layout)
@@ -214,9 +216,11 @@ class QVGCache:
         A block that raised before it stored anything, or whose first write failed, leaves the cache as it
         was (its layout restored; nothing was stored, every store being predicated on the status); a later
         failure means some layers stored the chunk and others did not, and the cache refuses to go on until
-        it is reset.
+        it is reset. Layers of a group whose last layer never attended stored nothing (their K/V are dropped).
         """
         commit, failure, stored = self.commit, None, 0
+        if commit is not None and commit.pending:  # the pass stopped before its group's last layer
+            completed = False  # those layers stored nothing
         self.active, self.active_start, self.active_final = False, None, False
         self.plan, self.window, self.commit = None, None, None
         if not completed and not self.block_writes and not self.block_moved:
@@ -254,7 +258,8 @@ class QVGCache:
         Returns the chunk's RoPE ``(cos, sin)`` at its global frame positions.
         """
         if self.plan is not None:  # a further forward of the block: the same chunk, the same plan
-            if not torch.compiler.is_compiling() and self.commit is not None and self.commit.layers_done:
+            commit = self.commit
+            if not torch.compiler.is_compiling() and commit is not None and (commit.layers_done or commit.pending):
                 if len(self.commit.layers_done) == len(self.layers):
                     self.commit.layout.check_start(self.active_start)  # raises: the chunk had its final pass
                 raise RuntimeError(
@@ -320,12 +325,17 @@ class QVGCache:
                 self.window_views()
         return self.plan.current_rotary
 
+    def layer_groups(self, layers: list[LayerCache]) -> list[list[LayerCache]]:
+        """``layers`` in groups of ``CacheConfig.encode_layers``, each group's writes one encoder call."""
+        size = self.config.encode_layers
+        return [layers[i : i + size] for i in range(0, len(layers), size)]
+
     def apply_moves(self, moves: list[Move], layout: ChunkLayout) -> None:
         """An advance's moves (into the sink, the packed pool), every layer, checked on the device and read
         once: a failure before anything was stored leaves the cache as it was."""
         for move in moves:
-            for layer in self.layers:
-                layer.apply(move, layout)
+            for group in self.layer_groups(self.layers):
+                apply_move(group, move, layout, [None] * len(group))
         failure, stored = self.status.read()
         self.status.clear()
         if failure is not None:
@@ -435,6 +445,40 @@ class QVGCache:
             )
         if completed:
             raise RuntimeError(self.interrupted)
+
+    def commit_layer(self, layer: LayerCache, key: torch.Tensor, value: torch.Tensor, window: torch.Tensor) -> None:
+        """A clean-context pass's K (as stored) and V of ``layer``, which has attended: held until the last
+        layer of its group (``CacheConfig.encode_layers``; each layer alone in place, where nothing is
+        encoded), which stores the group's in one call. Traced by ``torch.compile``: the held tensors are
+        graph values, alive until the group's op."""
+        pending = self.commit.pending
+        pending.append((layer.index, key, value))
+        size = 1 if self.config.in_place else self.config.encode_layers
+        if len(pending) >= size or (self.layers_fixed and layer.index + 1 == len(self.layers)):
+            indices, keys, values = [p[0] for p in pending], [p[1] for p in pending], [p[2] for p in pending]
+            pending.clear()
+            ops.store_final(self, indices, keys, values, window)
+
+    def store_pending(self) -> None:
+        """Store the last group of a clean-context pass whose layers were still being found (their count
+        open, no layer knew it was the last)."""
+        commit = self.commit
+        if commit is not None and commit.pending and not self.layers_fixed:
+            pending, commit.pending = commit.pending, []
+            self.store_final(*(list(p) for p in zip(*pending)))
+
+    @torch.no_grad()
+    def store_final(self, indices: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+        """Store a group of layers' clean-context K/V where the pass's moves say: every layer's K/V checked
+        first (a refused group stores nothing), then each move for all of them in one call."""
+        layers = [self.layers[i] for i in indices]
+        for layer, key, value in zip(layers, keys, values):
+            layer.check_final(key, value)
+        if not self.config.in_place:  # in place, the read stored the chunk (the next read moves it if need be)
+            for move in self.commit.moves:
+                apply_move(layers, move, self.commit.layout, list(zip(keys, values)))
+        for index in indices:
+            self.layer_committed(index)
 
     def layer_committed(self, index: int) -> None:
         """Layer ``index`` stored its part of the clean-context pass; once all have, the chunk is final (for

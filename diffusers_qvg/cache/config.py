@@ -34,6 +34,9 @@ class CacheConfig:
             pool is preallocated for exactly those chunks rather than in blocks of 8 (it still grows beyond).
         rope_frames: frame positions RoPE may use; ``None``: the transformer's ``rope_max_seq_len``. A stream
             running past them re-bases its window (:func:`~diffusers_qvg.cache.plan.window_positions`).
+        encode_layers: layers whose writes of a finished chunk go in one encoder call (QVG's batched encoder
+            launches the same 13 kernels for any number of layers, with more programs each). The clean-context
+            pass holds this many layers' chunk K/V until the group's last layer has attended.
     """
 
     storage: CodecConfig | str = "qvg-int2"
@@ -47,6 +50,7 @@ class CacheConfig:
     commit: Literal["on-advance", "final-pass"] = "on-advance"
     expected_frames: int | None = None
     rope_frames: int | None = None
+    encode_layers: int = 3
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "storage", resolve_codec(self.storage))
@@ -57,6 +61,8 @@ class CacheConfig:
                 raise ValueError(f"{name}={value!r} is invalid: use a non-negative integer")
         if self.commit not in ("on-advance", "final-pass"):
             raise ValueError(f"commit={self.commit!r} is invalid: use 'on-advance' or 'final-pass'")
+        if not isinstance(self.encode_layers, int) or isinstance(self.encode_layers, bool) or self.encode_layers < 1:
+            raise ValueError(f"encode_layers={self.encode_layers!r} is invalid: use a positive number of layers")
         for name in ("window_frames", "chunk_frames", "expected_frames", "rope_frames"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):

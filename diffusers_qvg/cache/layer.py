@@ -79,10 +79,10 @@ class LayerCache:
         keys, values = self.window_views()
         stored = key if owner.config.keys_before_rope else rotated_key
         if owner.config.current_slots:  # "on-advance": every forward rewrites the chunk's ring slot
-            ops.store(self, stored, value, keys, final=False)
+            ops.store(self, stored, value, keys)
         ops.read_window(self, keys, values, rotated_key, value)
         if owner.commit is not None:  # the clean-context pass stores the chunk where it now belongs
-            ops.store(self, stored, value, keys, final=True)
+            owner.commit_layer(self, stored, value, keys)
         return self.views if owner.config.in_place else (keys, values)
 
     def check(self, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -121,17 +121,19 @@ class LayerCache:
         keys[:, plan.current_start : end].copy_(rotated_key)
         values[:, plan.current_start : end].copy_(value)
 
-    def store(self, key: torch.Tensor, value: torch.Tensor, final: bool) -> None:
-        """Store the forward's K (as the cache keeps keys) and V: ``final=False`` into the current chunk's
-        ring slot ("on-advance"); ``final=True`` the clean-context pass's moves, after which the layer
-        counts as committed."""
+    def store(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rewrite the current chunk's ring slot with the forward's K (as the cache keeps keys) and V
+        ("on-advance"; in place, the read already wrote the chunk)."""
         self.check(key, value)
         owner = self.owner
-        if not final and owner.config.in_place:
-            return  # the read wrote the chunk in place
-        if not final:
+        if not owner.config.in_place:
             self.apply(ToRing(owner.layout.current.slot, owner.layout.current.tokens), owner.layout, (key, value))
-            return
+
+    def check_final(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """A clean-context pass's K/V, before its group stores anything: the plan's shapes, one store per
+        layer, and (on the device) the fresh K/V wherever no move of theirs checks them as it stores them."""
+        self.check(key, value)
+        owner = self.owner
         commit = owner.commit
         if self.index in commit.layers_done:
             raise RuntimeError(
@@ -150,10 +152,6 @@ class LayerCache:
             for x, role in ((key, "key"), (value, "value")):
                 owner.status.check(x, f"layer {self.index}'s {role}s", limit)
                 owner.block_writes += 1
-        if not owner.config.in_place:  # in place, the read stored the chunk (the next read moves it if need be)
-            for move in commit.moves:
-                self.apply(move, commit.layout, (key, value))
-        owner.layer_committed(self.index)
 
     def destination(self, move: Move) -> CodecConfig:
         """The codec that stores ``move``'s chunk."""
@@ -166,49 +164,69 @@ class LayerCache:
             self.ring = self.owner.allocate(self.owner.config.dense, layout.ring_slots * layout.slot_tokens, layout.ring_slots)
 
     # Moves between storages when a chunk becomes final (see ChunkLayout.plan and ChunkLayout.finalize).
-    @torch.no_grad()
     def apply(
         self, move: Move, layout: ChunkLayout, fresh: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> None:
-        """Carry out one move of ``layout``'s plan (the cache adopts ``layout`` once every layer has);
-        ``fresh`` is this forward's K (as stored) and V, the source of moves without a ring slot.
+        """Carry out one move of ``layout``'s plan for this layer alone (:func:`apply_move`)."""
+        apply_move([self], move, layout, [fresh])
 
-        Every write that stores a finished chunk is checked on the device through the cache's write status;
-        only the "on-advance" rewrite of the current ring slot is not (its forward's input was checked).
-        """
+    def target(
+        self, move: Move, layout: ChunkLayout, fresh: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[KV, int, int, tuple[Packed, int] | None, tuple[torch.Tensor, torch.Tensor]]:
+        """Where ``move`` writes this layer's chunk and from what: ``(storages, token start, slot, warm
+        start, (K, V))``; storage is allocated on the first write."""
         owner, cfg = self.owner, self.owner.config
         if isinstance(move, ToRing):
             self.ensure_ring()
-            dst = move.slot * layout.slot_tokens
-            if move.slot == getattr(layout.current, "slot", None):
-                for i in range(2):
-                    self.ring[i].values[:, dst : dst + move.tokens].copy_(fresh[i])
-                return
-            dests, start, slot, warm, chunk = self.ring, dst, move.slot, None, fresh
+            return self.ring, move.slot * layout.slot_tokens, move.slot, None, fresh
+        if move.ring_slot is None:
+            chunk = fresh
         else:
-            if move.ring_slot is None:
-                chunk = fresh
-            else:
-                src = move.ring_slot * layout.slot_tokens
-                chunk = [self.ring[i].values[:, src : src + move.tokens] for i in range(2)]
-            if isinstance(move, ToSink):
-                if self.sink is None:
-                    frames = cfg.sink_frames
-                    self.sink = owner.allocate(cfg.sink_storage, frames * layout.tokens_per_frame, frames)
-                dests, start, slot, warm = self.sink, move.token_start, move.sink_slot, None
-            else:
-                while len(self.blocks) <= move.block:
-                    self.blocks.append(owner.allocate(cfg.storage, layout.block_slots * layout.slot_tokens, layout.block_slots))
-                dests, start, slot = self.blocks[move.block], move.slot * layout.slot_tokens, move.slot
-                warm = None if move.warm is None else (self.blocks[move.warm[0]], move.warm[1])
-        codec = self.destination(move)
-        # K and V in one call: one launch sequence of QVG's batched encoder, checked in that order.
-        codec.quantize_batch_into(
-            [(dests[i], chunk[i], start, slot) for i in range(2)],
-            roles=ROLES,
-            warm_starts=[None if warm is None else (warm[0][i], warm[1]) for i in range(2)],
-            status=owner.status,
-            whats=[f"layer {self.index}'s {role}s" for role in ROLES],
-            heads=owner.head_slice,
-        )
-        owner.block_writes += 2
+            src = move.ring_slot * layout.slot_tokens
+            chunk = tuple(self.ring[i].values[:, src : src + move.tokens] for i in range(2))
+        if isinstance(move, ToSink):
+            if self.sink is None:
+                frames = cfg.sink_frames
+                self.sink = owner.allocate(cfg.sink_storage, frames * layout.tokens_per_frame, frames)
+            return self.sink, move.token_start, move.sink_slot, None, chunk
+        while len(self.blocks) <= move.block:
+            self.blocks.append(owner.allocate(cfg.storage, layout.block_slots * layout.slot_tokens, layout.block_slots))
+        warm = None if move.warm is None else (self.blocks[move.warm[0]], move.warm[1])
+        return self.blocks[move.block], move.slot * layout.slot_tokens, move.slot, warm, chunk
+
+
+@torch.no_grad()
+def apply_move(
+    layers: list[LayerCache],
+    move: Move,
+    layout: ChunkLayout,
+    fresh: list[tuple[torch.Tensor, torch.Tensor] | None],
+) -> None:
+    """Carry out one move of ``layout``'s plan in each of ``layers`` (``fresh[i]``: layer i's K as stored
+    and V of this forward, the source of moves without a ring slot), the cache adopting ``layout`` once
+    every layer has.
+
+    Every write that stores a finished chunk is checked on the device through the cache's write status, in
+    layer order, K before V; only the "on-advance" rewrite of the current ring slot is not (its forward's
+    input was checked). All layers' writes go in one call of the destination codec: for QVG one launch
+    sequence of its batched encoder, whatever the number of layers.
+    """
+    owner = layers[0].owner
+    if isinstance(move, ToRing) and move.slot == getattr(layout.current, "slot", None):
+        for layer, kv in zip(layers, fresh):
+            layer.ensure_ring()
+            dst = move.slot * layout.slot_tokens
+            for i in range(2):
+                layer.ring[i].values[:, dst : dst + move.tokens].copy_(kv[i])
+        return
+    items, warm_starts, whats = [], [], []
+    for layer, kv in zip(layers, fresh):
+        dests, start, slot, warm, chunk = layer.target(move, layout, kv)
+        items += [(dests[i], chunk[i], start, slot) for i in range(2)]
+        warm_starts += [None if warm is None else (warm[0][i], warm[1]) for i in range(2)]
+        whats += [f"layer {layer.index}'s {role}s" for role in ROLES]
+    layers[0].destination(move).quantize_batch_into(
+        items, roles=ROLES * len(layers), warm_starts=warm_starts, status=owner.status, whats=whats,
+        heads=owner.head_slice,
+    )  # fmt: skip
+    owner.block_writes += len(items)

@@ -7,9 +7,10 @@ implementation runs the cache's eager code, reading the live plan. Eager forward
 
 - ``read_window`` decodes the layer's visible history and the current chunk into the window views
   (it mutates them: the attention that follows depends on it).
-- ``store`` writes the forward's K/V where the plan says (the current ring slot, or a clean-context pass's
-  moves); it mutates the cache's write status, which orders it after the read of the same window and keeps
-  it alive.
+- ``store`` rewrites the current chunk's ring slot ("on-advance"), and ``store_final`` carries out a
+  clean-context pass's moves for a group of layers (``CacheConfig.encode_layers``: their K/V reach it
+  through the graph, so the compiler keeps them alive until then, with no copy). Both mutate the cache's
+  write status, which orders them after the reads of the same window and keeps them alive.
 
 Both read the plan of the chunk at run time (segment tables and RoPE tables made per chunk, host rows for
 the PyTorch decoders), which a replayed CUDA graph would not: they are tagged ``cudagraph_unsafe``, so CUDA
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from .cache import QVGCache
     from .layer import LayerCache
 
 _CACHES: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
@@ -61,16 +63,32 @@ def _(keys, values, rotated_key, value, cache, layer) -> None:
     "diffusers_qvg::store", mutates_args=("status",), tags=(torch.Tag.cudagraph_unsafe,)
 )
 def _store_op(
-    status: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: torch.Tensor, cache: int, layer: int,
-    final: bool,
+    status: torch.Tensor, key: torch.Tensor, value: torch.Tensor, window: torch.Tensor, cache: int, layer: int
 ) -> None:
     target = _layer(cache, layer)
     with target.owner.status.bound(status):
-        target.store(key, value, final)
+        target.store(key, value)
 
 
 @_store_op.register_fake
-def _(status, key, value, window, cache, layer, final) -> None:
+def _(status, key, value, window, cache, layer) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "diffusers_qvg::store_final", mutates_args=("status",), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def _store_final_op(
+    status: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], window: torch.Tensor, cache: int,
+    layers: list[int],
+) -> None:
+    owner = _CACHES[cache]
+    with owner.status.bound(status):
+        owner.store_final(layers, keys, values)
+
+
+@_store_final_op.register_fake
+def _(status, keys, values, window, cache, layers) -> None:
     return None
 
 
@@ -83,10 +101,22 @@ def read_window(
         layer.read(keys, values, rotated_key, value)
 
 
-def store(layer: "LayerCache", key: torch.Tensor, value: torch.Tensor, window: torch.Tensor, final: bool) -> None:
-    """``window``: the keys the layer just read, so that the store follows the read."""
+def store(layer: "LayerCache", key: torch.Tensor, value: torch.Tensor, window: torch.Tensor) -> None:
+    """The "on-advance" rewrite of the current chunk; ``window``: the keys the layer just read, so that
+    the store follows the read."""
     if torch.compiler.is_compiling():
         status = layer.owner.status.tensor
-        torch.ops.diffusers_qvg.store(status, key, value, window, layer.owner.op_id, layer.index, final)
+        torch.ops.diffusers_qvg.store(status, key, value, window, layer.owner.op_id, layer.index)
     else:
-        layer.store(key, value, final)
+        layer.store(key, value)
+
+
+def store_final(
+    cache: "QVGCache", layers: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], window: torch.Tensor
+) -> None:
+    """A clean-context pass's writes of a group of layers (their K as stored, and V), in one call; ``window``:
+    the keys the group's last layer just read."""
+    if torch.compiler.is_compiling():
+        torch.ops.diffusers_qvg.store_final(cache.status.tensor, keys, values, window, cache.op_id, layers)
+    else:
+        cache.store_final(layers, keys, values)
