@@ -35,8 +35,9 @@ from .problems import (
 )
 from .quantize import group_needs
 
-BLOCK_POINTS = 64
-BLOCK_CENTROIDS = 64
+# (points per program, centroids per step, warps) per mode, from launch-faithful sm_90 compiles of a layer
+# group's K+V (docs/benchmarks.md, "Tiles"): 128-point programs read each centroid table half as often.
+TILES = {"lloyd": (128, 64, 4), "final": (128, 64, 8), "none": (64, 64, 4)}
 
 
 @triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
@@ -146,11 +147,13 @@ def launch_assign(
         points_exact = rounding is None or exact == "bf16" or (exact == "tf32" and rounding == "tf32")
     group, symmetric, qmax = need if need is not None else (pr.head_dim, True, 1)
     D = pr.head_dim
-    _assign_kernel[(triton.cdiv(pr.tokens, BLOCK_POINTS), pr.count)](
+    block_n, block_k, warps = TILES[mode]
+    _assign_kernel[(triton.cdiv(pr.tokens, block_n), pr.count)](
         *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, SOURCE=source,
         ROUND=rounding, POINTS_EXACT=points_exact, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
-        BLOCK_N=BLOCK_POINTS, BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_stages=1, enable_fp_fusion=False, **pr.flags(),
+        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=INTERPRETING, num_stages=1, num_warps=warps, enable_fp_fusion=False,
+        **pr.flags(),
     )  # fmt: skip
 
 

@@ -31,8 +31,9 @@ from .problems import (
     working_rows,
 )
 
-BLOCK_POINTS = 128
-BLOCK_CENTROIDS = 32
+# 64 centroids per program: each problem's points are read by 4 programs, not 8 (docs/benchmarks.md, "Tiles").
+BLOCK_POINTS = 64
+BLOCK_CENTROIDS = 64
 
 
 @triton.jit
