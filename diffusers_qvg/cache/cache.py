@@ -470,7 +470,8 @@ class QVGCache:
     @torch.no_grad()
     def store_final(self, indices: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:
         """Store a group of layers' clean-context K/V where the pass's moves say: every layer's K/V checked
-        first (a refused group stores nothing), then each move for all of them in one call."""
+        first (an error found on the host raises before the group stores anything), then each move for all
+        of them in one call (on the device a write stores only while no write checked before it failed)."""
         layers = [self.layers[i] for i in indices]
         for layer, key, value in zip(layers, keys, values):
             layer.check_final(key, value)
