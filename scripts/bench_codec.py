@@ -49,6 +49,9 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 0 Lloyd iters": (dq.QVGConfig(kmeans_iters=0), False),
         "qvg-int2 warm start, 1 Lloyd iter": (dq.QVGConfig(kmeans_iters=1), True),
         "qvg-int2 warm start, 0 Lloyd iters": (dq.QVGConfig(kmeans_iters=0), True),
+        # The codes kernel's scale search is the encoder's other large cost: half the candidates.
+        "qvg-int2 coarse scale search": (dq.QVGConfig(scale_search="mse-coarse"), False),
+        "qvg-int2 coarse scale search, 2 Lloyd iters": (dq.QVGConfig(scale_search="mse-coarse", kmeans_iters=2), False),
     }
     return rows
 

@@ -40,6 +40,7 @@ VARIANTS = {
     "int4-asym": dq.QVGConfig(bits=4, symmetric=False, **SMALL),
     "fp16-scales": dq.QVGConfig(scale_dtype="fp16", **SMALL),
     "absmax": dq.QVGConfig(scale_search="absmax", **SMALL),
+    "mse-coarse": dq.QVGConfig(scale_search="mse-coarse", **SMALL),
     "bf16-centroids": dq.QVGConfig(centroid_dtype="bfloat16", **SMALL),
     "fp16-centroids": dq.QVGConfig(centroid_dtype="float16", **SMALL),
     "fp32-centroids": dq.QVGConfig(centroid_dtype="float32", **SMALL),
@@ -135,18 +136,20 @@ def test_residual_error_is_at_most_half_a_step_where_nothing_clamps(name, dtype)
 
 
 def test_mse_scale_search_never_does_worse_than_absmax_per_group():
+    """Nor the fine grid than the coarse one, whose candidates it holds."""
     g = torch.Generator().manual_seed(3)
     r = torch.randn(2, 40, 3, 4, 16, generator=g) * torch.rand(2, 40, 3, 4, 1, generator=g)
     for symmetric in (True, False):
         errs = {}
-        for search in ("absmax", "mse"):
+        for search in ("absmax", "mse-coarse", "mse"):
             c = quantize_groups(r, bits=2, symmetric=symmetric, fmt=torch.float8_e4m3fn, search=search)
             qmax = 1 if symmetric else 3
             shift = c.shift.view(2, 1, 3, 1)
             r_hat = dequantize_groups(c.u, c.scales, c.zeros, shift, qmax=qmax, symmetric=symmetric, dtype=torch.float32)
             errs[search] = (r - r_hat).square().sum(-1)
-        assert (errs["mse"] <= errs["absmax"]).all()
+        assert (errs["mse"] <= errs["mse-coarse"]).all() and (errs["mse-coarse"] <= errs["absmax"]).all()
         assert errs["mse"].sum() < 0.85 * errs["absmax"].sum()
+        assert errs["mse-coarse"].sum() < 0.9 * errs["absmax"].sum()
 
 
 def test_hand_checked_ternary_group():

@@ -128,7 +128,7 @@ def boundary_groups(search: str, fmt: torch.dtype) -> torch.Tensor:
     return torch.tensor(groups, dtype=torch.float32).reshape(1, -1, 1, 64)  # [B, tokens, H, D]: one group per token
 
 
-@pytest.mark.parametrize("search", ["mse", "absmax"])
+@pytest.mark.parametrize("search", ["mse", "mse-coarse", "absmax"])
 @pytest.mark.parametrize("scale_dtype", ["e4m3", "fp16"])
 def test_ternary_codes_at_the_rounding_boundary_are_the_reference_bit_for_bit(search, scale_dtype):
     config = dq.QVGConfig(stages=0, scale_search=search, scale_dtype=scale_dtype)

@@ -15,6 +15,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compile
 
 VARIANTS = {
     "default": dq.QVGConfig(num_centroids=4),
+    "coarse-scale-search": dq.QVGConfig(num_centroids=4, scale_search="mse-coarse"),
     "int4-fp16scales-bf16-2stages": dq.QVGConfig(bits=4, num_centroids=4, stages=2, centroid_dtype="bfloat16", scale_dtype="fp16"),
     "asym-int2-headscale": dq.QVGConfig(symmetric=False, num_centroids=3, centroid_scale="head", group_size=16),
     "asym-int4-fp16-no-stages": dq.QVGConfig(symmetric=False, bits=4, scale_dtype="fp16", stages=0, group_size=32),

@@ -14,11 +14,13 @@ from typing import Literal
 
 import torch
 
-ScaleSearch = Literal["absmax", "mse"]
+ScaleSearch = Literal["absmax", "mse", "mse-coarse"]
 
 # Smallest and largest float32 normal exponents: every shift and centroid scale is a normal float32.
 MIN_EXP, MAX_EXP = -126, 127
-MSE_CANDIDATES = 14  # alpha_j = 1 - j/20, j = 0..13: from the absmax scale down to 0.35 of it
+# The scale search's grid: alpha_j = 1 - j / step for j < count, from the absmax scale down to 0.35 of it
+# ("mse": 14 candidates) or to 0.4 in steps of 0.1 ("mse-coarse": 7, half the encoder's codes arithmetic).
+SCALE_GRIDS = {"absmax": (1, 1), "mse": (20, 14), "mse-coarse": (10, 7)}
 # Largest input magnitude: squared distances, group ranges and every shift must stay finite in float32.
 MAX_ABS_INPUT = 2.0**50
 
@@ -36,8 +38,8 @@ def pow2_at_least(v: torch.Tensor) -> torch.Tensor:
 
 def scale_candidates(search: ScaleSearch, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The fractions ``alpha_j`` of the absmax scale that the search tries, largest first."""
-    count = 1 if search == "absmax" else MSE_CANDIDATES
-    return torch.tensor([1 - j / 20 for j in range(count)], dtype=dtype, device=device)
+    step, count = SCALE_GRIDS[search]
+    return torch.tensor([1 - j / step for j in range(count)], dtype=dtype, device=device)
 
 
 @dataclass

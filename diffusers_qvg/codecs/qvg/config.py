@@ -10,7 +10,7 @@ import torch
 
 from ..base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
 from ..status import WriteStatus
-from ..groups import MAX_ABS_INPUT
+from ..groups import MAX_ABS_INPUT, SCALE_GRIDS
 
 CentroidDType = Literal["e4m3", "bfloat16", "float16", "float32"]
 MAX_CENTROIDS = 2**15  # ids are stored as uint8 (K <= 256) or int16
@@ -31,8 +31,9 @@ class QVGConfig(CodecConfig):
         group_size: channels sharing one residual scale.
         scale_dtype: ``"e4m3"`` (1 byte) or ``"fp16"`` scales, both under a per-head power-of-two shift
             so that no scale underflows or saturates.
-        scale_search: ``"mse"`` chooses each group's scale to minimise squared error (encoder only, no
-            bytes); ``"absmax"`` is the official rule.
+        scale_search: ``"mse"`` chooses each group's scale to minimise squared error among 14 fractions of
+            its absmax scale (encoder only, no bytes); ``"mse-coarse"`` among 7 (half the codes kernel's
+            arithmetic); ``"absmax"`` is the official rule.
         num_centroids: k-means clusters per (batch, head, stage); ``None`` picks 256 for INT2, 64 for INT4.
         kmeans_iters: Lloyd iterations per stage.
         kmeans_init: ``"strided"`` (evenly spaced tokens; free, deterministic, one launch on a GPU: the
@@ -60,7 +61,7 @@ class QVGConfig(CodecConfig):
     packing: Literal["auto", "bits", "trits"] = "auto"
     group_size: int = 64
     scale_dtype: Literal["e4m3", "fp16"] = "e4m3"
-    scale_search: Literal["mse", "absmax"] = "mse"
+    scale_search: Literal["mse", "mse-coarse", "absmax"] = "mse"
     num_centroids: int | None = None
     kmeans_iters: int = 5
     kmeans_init: Literal["kmeans++", "strided", "random"] = "strided"
@@ -84,8 +85,8 @@ class QVGConfig(CodecConfig):
             raise bad("group_size", self.group_size, "use a positive number of channels that divides head_dim")
         if self.scale_dtype not in ("e4m3", "fp16"):
             raise bad("scale_dtype", self.scale_dtype, "use 'e4m3' or 'fp16'")
-        if self.scale_search not in ("mse", "absmax"):
-            raise bad("scale_search", self.scale_search, "use 'mse' or 'absmax'")
+        if self.scale_search not in SCALE_GRIDS:
+            raise bad("scale_search", self.scale_search, "use 'mse', 'mse-coarse' or 'absmax'")
         if self.num_centroids is not None and (
             not isinstance(self.num_centroids, int) or not 1 <= self.num_centroids <= MAX_CENTROIDS
         ):
