@@ -79,6 +79,12 @@ class Commit:
     layers_done: set[int] = field(default_factory=set)
     pending: list[tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=list)  # attended, not stored
 
+    def take_pending(self) -> tuple[list[int], list[torch.Tensor], list[torch.Tensor]]:
+        """The held layers' indices, K and V, no longer held."""
+        indices, keys, values = [p[0] for p in self.pending], [p[1] for p in self.pending], [p[2] for p in self.pending]
+        self.pending.clear()
+        return indices, keys, values
+
 
 class QVGCache:
     """KV cache of a transformer's self-attention layers for chunk-by-chunk generation (inference only)."""
@@ -260,8 +266,8 @@ class QVGCache:
         if self.plan is not None:  # a further forward of the block: the same chunk, the same plan
             commit = self.commit
             if not torch.compiler.is_compiling() and commit is not None and (commit.layers_done or commit.pending):
-                if len(self.commit.layers_done) == len(self.layers):
-                    self.commit.layout.check_start(self.active_start)  # raises: the chunk had its final pass
+                if len(commit.layers_done) == len(self.layers):
+                    commit.layout.check_start(self.active_start)  # raises: the chunk had its final pass
                 raise RuntimeError(
                     "the previous forward stopped part-way through its clean-context pass; leave the "
                     "cache.chunk(...) block, call cache.reset() and generate the video again"
@@ -325,9 +331,14 @@ class QVGCache:
                 self.window_views()
         return self.plan.current_rotary
 
+    @property
+    def group_size(self) -> int:
+        """Layers per encoder call: ``CacheConfig.encode_layers`` (1 in place, where nothing is encoded)."""
+        return 1 if self.config.in_place else self.config.encode_layers
+
     def layer_groups(self, layers: list[LayerCache]) -> list[list[LayerCache]]:
-        """``layers`` in groups of ``CacheConfig.encode_layers``, each group's writes one encoder call."""
-        size = self.config.encode_layers
+        """``layers`` in groups of :attr:`group_size`, each group's writes one encoder call."""
+        size = self.group_size
         return [layers[i : i + size] for i in range(0, len(layers), size)]
 
     def apply_moves(self, moves: list[Move], layout: ChunkLayout) -> None:
@@ -448,24 +459,19 @@ class QVGCache:
 
     def commit_layer(self, layer: LayerCache, key: torch.Tensor, value: torch.Tensor, window: torch.Tensor) -> None:
         """A clean-context pass's K (as stored) and V of ``layer``, which has attended: held until the last
-        layer of its group (``CacheConfig.encode_layers``; each layer alone in place, where nothing is
-        encoded), which stores the group's in one call. Traced by ``torch.compile``: the held tensors are
-        graph values, alive until the group's op."""
+        layer of its group (:attr:`group_size`), which stores the group's in one call. Traced by
+        ``torch.compile``: the held tensors are graph values, alive until the group's op."""
         pending = self.commit.pending
         pending.append((layer.index, key, value))
-        size = 1 if self.config.in_place else self.config.encode_layers
-        if len(pending) >= size or (self.layers_fixed and layer.index + 1 == len(self.layers)):
-            indices, keys, values = [p[0] for p in pending], [p[1] for p in pending], [p[2] for p in pending]
-            pending.clear()
-            ops.store_final(self, indices, keys, values, window)
+        if len(pending) >= self.group_size or (self.layers_fixed and layer.index + 1 == len(self.layers)):
+            ops.store_final(self, *self.commit.take_pending(), window)
 
     def store_pending(self) -> None:
         """Store the last group of a clean-context pass whose layers were still being found (their count
         open, no layer knew it was the last)."""
         commit = self.commit
         if commit is not None and commit.pending and not self.layers_fixed:
-            pending, commit.pending = commit.pending, []
-            self.store_final(*(list(p) for p in zip(*pending)))
+            self.store_final(*commit.take_pending())
 
     @torch.no_grad()
     def store_final(self, indices: list[int], keys: list[torch.Tensor], values: list[torch.Tensor]) -> None:

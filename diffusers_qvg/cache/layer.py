@@ -213,9 +213,9 @@ def apply_move(
     """
     owner = layers[0].owner
     if isinstance(move, ToRing) and move.slot == getattr(layout.current, "slot", None):
+        dst = move.slot * layout.slot_tokens
         for layer, kv in zip(layers, fresh):
             layer.ensure_ring()
-            dst = move.slot * layout.slot_tokens
             for i in range(2):
                 layer.ring[i].values[:, dst : dst + move.tokens].copy_(kv[i])
         return
