@@ -56,6 +56,27 @@ def test_update_is_the_cluster_mean_and_empty_clusters_keep_theirs():
     assert torch.equal(update_centroids(x, ids, old), new)  # same bits on a second run
 
 
+@pytest.mark.parametrize("skew", ["uniform", "one block", "one cluster"])
+def test_update_gathers_each_centroid_blocks_members(skew):
+    """150 centroids: three programs per problem (the last partial), each summing only its members."""
+    P, N, K = 2, 333, 150
+    x = points(P=P, N=N, D=32)
+    g = torch.Generator().manual_seed(4)
+    ids = {
+        "uniform": torch.randint(0, K, (P, N), generator=g),
+        "one block": torch.randint(64, 128, (P, N), generator=g),  # programs 0 and 2 have no members
+        "one cluster": torch.full((P, N), K - 1),  # every token in the partial block's last centroid
+    }[skew].to(DEVICE, torch.int32)
+    old = points(P=P, N=K, D=32, seed=5)
+    new = update_centroids(x, ids, old)
+    expected = old.double().clone()
+    for p in range(P):
+        for k in ids[p].unique().tolist():
+            expected[p, k] = x[p][ids[p] == k].double().mean(0)
+    torch.testing.assert_close(new.double(), expected, rtol=0, atol=1e-6)
+    assert torch.equal(update_centroids(x, ids, old), new)
+
+
 def test_lloyd_matches_flash_kmeans_torch_fallback():
     x = points(P=2, N=120, D=32)
     init = x[:, :10].clone()

@@ -75,16 +75,18 @@ def _assign_kernel(
         for k0 in range(0, n_centroids, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_mask = ks < n_centroids
-            if ASSIGN == "final":
+            if SOURCE == "operands":  # the update (or, final, the rounding) kernel left them, with their norms
+                offsets = (ks * D)[:, None] + cols[None, :]
+                c = tl.load(op_ptr + p * n_centroids * D + offsets, mask=k_mask[:, None] & col_mask[None, :], other=0)
+                if FORMAT != "bf16":  # bf16 operands of a final assignment in TF32 (exact either way)
+                    c = c.to(tl.float32)
+                norms = tl.load(norm_ptr + p * n_centroids + ks, mask=k_mask, other=0)
+            elif ASSIGN == "final":
                 c = stage_rows(
                     tables_ptr, tscales_ptr, STAGE, p, ks, k_mask, cols, col_mask, n_centroids, n_problems,
                     D, CENT_SCALED, PER_CENTROID,
                 )
                 norms = tl.sum(c * c, axis=1)
-            elif SOURCE == "operands":  # the update kernel left them rounded, with their norms
-                offsets = (ks * D)[:, None] + cols[None, :]
-                c = tl.load(op_ptr + p * n_centroids * D + offsets, mask=k_mask[:, None] & col_mask[None, :], other=0)
-                norms = tl.load(norm_ptr + p * n_centroids + ks, mask=k_mask, other=0)
             else:
                 c = working_rows(
                     x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
@@ -95,13 +97,17 @@ def _assign_kernel(
                     c = lloyd_operand(c, ROUND)
                 norms = tl.sum(c * c, axis=1)
             products = exact_dot(a, tl.trans(c), tl.zeros([BLOCK_N, BLOCK_K], tl.float32), FORMAT, INTERPRET)
-            score = norms[None, :] - 2.0 * products
-            score = tl.where(k_mask[None, :], score, float("inf"))
-            block_best = tl.min(score, axis=1)
-            block_id = tl.argmin(score, axis=1, tie_break_left=True).to(tl.int32) + k0
+            # One rounding, as `norms - 2 * products` rounds (the doubling is exact); masked centroids score +inf.
+            score = tl.math.fma(products, -2.0, tl.where(k_mask, norms, float("inf"))[None, :])
+            if INTERPRET:  # numpy's reduction raises on an all-NaN row (NaN/Inf points, which the check refuses)
+                score = tl.where(score == score, score, float("inf"))
+            block_best, block_id = tl.min(score, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            block_id = block_id.to(tl.int32) + k0
             better = block_best < best  # strict: an earlier block keeps a tie
             best = tl.where(better, block_best, best)
             best_id = tl.where(better, block_id, best_id)
+        # In range even for NaN/Inf points, whose scores may pick a masked centroid (such a write is refused).
+        best_id = tl.minimum(best_id, n_centroids - 1)
         tl.store(ids_ptr + (STAGE * n_problems + p) * n_points + tokens, best_id, mask=row_mask)
         if NEED:
             points = points - stage_rows(
@@ -130,7 +136,8 @@ def launch_assign(
 
     ``mode``: ``"lloyd"`` against the working centroids in ``precision``: rounded here from the float32 table
     (``source="working"``), from the strided init's points (``"points"``), or as the update kernel left them
-    rounded, with their norms (``"operands"``); ``"final"`` against the stage's rounded table, with exact products where the formats allow;
+    rounded, with their norms (``"operands"``); ``"final"`` against the stage's rounded table, with exact products where the formats allow
+    (decoded here, or as the rounding kernel left it decoded, with its norms: ``source="operands"``);
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
     ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need``, and
     ``check`` each item's largest magnitude into ``problems.magnitude`` (both zeroed by the rounding kernel,

@@ -23,19 +23,20 @@ E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
-def _e4m3_bits(c, scale):
-    """The e4m3 bits of ``c / scale`` for a power-of-two ``scale``: dividing by it is multiplying by its
-    inverse exactly (the scale is a normal float32 at most 2^51 for inputs of at most 2^50)."""
-    return f32_to_e4m3(round_to_format(c * pow2(-exponent(scale)), 3, -6))
+def _e4m3_value(c, scale):
+    """``c / scale`` rounded to e4m3, as float32, for a power-of-two ``scale``: dividing by it is multiplying
+    by its inverse exactly (the scale is a normal float32 at most 2^51 for inputs of at most 2^50)."""
+    return round_to_format(c * pow2(-exponent(scale)), 3, -6)
 
 
 @triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
 def _centroid_round_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, out_ptr, need_ptr, magnitude_ptr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, out_ptr, need_ptr, magnitude_ptr, op_ptr, norm_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, E4M3: tl.constexpr,
-    CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, SOFTWARE_BF16: tl.constexpr, BLOCK_K: tl.constexpr, X_ALIGN: tl.constexpr,
+    OPERANDS: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
+    BLOCK_K: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(0).to(tl.int64)
     tl.store(need_ptr + p, 0.0)  # the final assignment folds the head's scale need into it
@@ -70,20 +71,32 @@ def _centroid_round_kernel(
             if PER_CENTROID:
                 scale = pow2_at_least(tl.math.div_rn(tl.max(tl.abs(c), axis=1), E4M3_MAX))
                 tl.store(tscales_ptr + table + ks, scale, mask=k_mask)
-                tl.store(out_ptr + rows, _e4m3_bits(c, scale[:, None]).to(tl.uint8), mask=mask)
+                scale = scale[:, None]
             else:
-                tl.store(out_ptr + rows, _e4m3_bits(c, head_scale).to(tl.uint8), mask=mask)
+                scale = head_scale
+            value = _e4m3_value(c, scale)
+            tl.store(out_ptr + rows, f32_to_e4m3(value).to(tl.uint8), mask=mask)
+            value = value * scale  # the decoded table, exactly (a power-of-two scaling)
         else:
-            tl.store(out_ptr + rows, cast_exact(c, out_ptr.dtype.element_ty, SOFTWARE_BF16), mask=mask)
+            stored = cast_exact(c, out_ptr.dtype.element_ty, SOFTWARE_BF16)
+            tl.store(out_ptr + rows, stored, mask=mask)
+            value = stored.to(tl.float32)
+        if OPERANDS:  # the final assignment's operands and norms, once per problem instead of per program
+            value = tl.where(mask, value, 0.0)
+            tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols[None, :]), value, mask=mask)
+            tl.store(norm_ptr + p * n_centroids + ks, tl.sum(value * value, axis=1), mask=k_mask)
 
 
-def launch_round(problems: Problems, stage: int, *, from_points: bool = False) -> None:
-    """Round the working centroids (the strided init's points when ``from_points``) into stage ``stage``'s table."""
+def launch_round(problems: Problems, stage: int, *, from_points: bool = False, operands: bool = False) -> None:
+    """Round the working centroids (the strided init's points when ``from_points``) into stage ``stage``'s
+    table; with ``operands`` (where :meth:`Problems.holds_table` says the operand dtype holds it exactly),
+    also leave the decoded table and its squared norms for the final assignment."""
     pr = problems
     e4m3 = pr.tables.dtype == torch.float8_e4m3fn
     D = pr.head_dim
     _centroid_round_kernel[(pr.count,)](
         *pr.point_args(), pr.working, *pr.working.stride(), as_bits(pr.tables), pr.need, pr.magnitude,
-        D=D, D_PAD=triton.next_power_of_2(D), STAGE=stage, FROM_POINTS=from_points, E4M3=e4m3,
+        pr.operands, pr.norms,
+        D=D, D_PAD=triton.next_power_of_2(D), STAGE=stage, FROM_POINTS=from_points, E4M3=e4m3, OPERANDS=operands,
         SOFTWARE_BF16=INTERPRETING, BLOCK_K=BLOCK_CENTROIDS, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip

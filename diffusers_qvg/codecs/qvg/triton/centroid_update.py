@@ -1,19 +1,24 @@
-"""Deterministic k-means centroid update: each cluster's mean, summed in a fixed order, no sort, no atomics.
+"""Deterministic k-means centroid update: each cluster's mean, summed in a fixed order, no atomics.
 
-One program per (block of centroids, problem) walks the problem's points in order, block by block, and
-adds each block into its centroids' sums with one matrix product: a one-hot matrix ``[centroid == id]``
-(exact 0/1) times the points, on tensor cores. The products are exact: stage-0 points of a bf16 (fp16)
-tensor are bf16 (fp16) values, and float32 points are split exactly into three bf16 parts (8 + 8 + 8
-significant bits), multiplied one after the other. So the sums are float32 sums of the points themselves,
-in an order fixed by the code (the same bits every run), and the mean is the IEEE quotient by the count.
-flash-kmeans (the reference on CUDA) adds float32 atomics instead, so its bits vary between runs; its torch
-fallback sums each cluster sequentially with ``index_add_``. The order of float32 additions differs, so the
-results agree to float32 rounding, not bit for bit (tests/test_triton_kmeans.py holds them to it). Empty
-clusters keep their previous centroid.
+One program per (block of centroids, problem) first scans the problem's ids and compacts, in token order,
+the tokens assigned to its centroids into its own scratch row (a prefix sum per block of ids); then it walks
+only those tokens, block by block, and adds each block into its centroids' sums with one matrix product: a
+one-hot matrix ``[centroid == id]`` (exact 0/1) times the gathered points, on tensor cores. So each of the
+``K / BLOCK_CENTROIDS`` programs of a problem multiplies about ``N / (K / BLOCK_CENTROIDS)`` points, not all
+``N``: the one-hot product's work is ``2 N BLOCK_CENTROIDS D`` per problem instead of ``2 N K D``, and the
+points are read about once in all (docs/benchmarks.md, "The compacted update").
+
+The products are exact: stage-0 points of a bf16 (fp16) tensor are bf16 (fp16) values, and float32 points
+are split exactly into three bf16 parts (8 + 8 + 8 significant bits), multiplied one after the other. So the
+sums are float32 sums of the points themselves, in an order fixed by the code (token order, the same bits
+every run), and the mean is the IEEE quotient by the count. flash-kmeans (the reference on CUDA) adds
+float32 atomics instead, so its bits vary between runs; its torch fallback sums each cluster sequentially
+with ``index_add_``. The order of float32 additions differs, so the results agree to float32 rounding, not
+bit for bit (tests/test_triton_kmeans.py holds them to it). Empty clusters keep their previous centroid.
 
 The product is taken transposed (points^T @ one-hot^T), so that the head dimension is the tensor cores' M.
 With ``OPERANDS`` a program also leaves its new centroids rounded to the next assignment's input format
-(``QVGConfig.kmeans_precision``) with their squared norms, so that the assignment's programs (74 per
+(``QVGConfig.kmeans_precision``) with their squared norms, so that the assignment's programs (37 per
 problem for a 4,680-token chunk) do not each round and reduce the whole table again.
 """
 
@@ -31,9 +36,11 @@ from .problems import (
     working_rows,
 )
 
-# 64 centroids per program: each problem's points are read by 4 programs, not 8 (docs/benchmarks.md, "Tiles").
+# 64 centroids per program, its members gathered 64 at a time; ids scanned 256 at a time (docs/benchmarks.md,
+# "Tiles" and "The compacted update").
 BLOCK_POINTS = 64
-BLOCK_CENTROIDS = 64
+BLOCK_CENTROIDS = 32
+BLOCK_SCAN = 256
 
 
 @triton.jit
@@ -56,24 +63,36 @@ def _add_members(acc, hit, points, EXACT: tl.constexpr, INTERPRET: tl.constexpr)
 def _centroid_update_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, members_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, EXACT: tl.constexpr,
     OPERANDS: tl.constexpr, PRECISION: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
+    BLOCK_SCAN: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
-    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    k0 = tl.program_id(0) * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
     k_mask = ks < n_centroids
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
     ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
     x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    # The tokens whose id is one of this program's centroids, in token order, into its own scratch row.
+    members_row = members_ptr + (p * tl.num_programs(0) + tl.program_id(0)) * n_points
+    members = 0
+    for n0 in range(0, n_points, BLOCK_SCAN):
+        tokens = n0 + tl.arange(0, BLOCK_SCAN)
+        ids = tl.load(ids_row + tokens, mask=tokens < n_points, other=-1)
+        mine = (ids >= k0) & (ids < k0 + BLOCK_K)
+        tl.store(members_row + members + tl.cumsum(mine.to(tl.int32), 0) - 1, tokens, mask=mine)
+        members += tl.sum(mine.to(tl.int32), 0)
+    tl.debug_barrier()  # the row's stores are visible to every thread of the program
     sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
     hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
-    for n0 in range(0, n_points, BLOCK_N):
-        tokens = n0 + tl.arange(0, BLOCK_N)
-        row_mask = tokens < n_points
+    for m0 in range(0, members, BLOCK_N):
+        j = m0 + tl.arange(0, BLOCK_N)
+        row_mask = j < members
+        tokens = tl.load(members_row + j, mask=row_mask, other=0)
         ids = tl.load(ids_row + tokens, mask=row_mask, other=-1)
         hit = ks[:, None] == ids[None, :]  # [BLOCK_K, BLOCK_N]
         hits += hit.to(tl.int32)
@@ -110,12 +129,13 @@ def launch_update(
     pr = problems
     exact = exact_format(pr.x.dtype) if stage == 0 else None
     D = pr.head_dim
-    _centroid_update_kernel[(triton.cdiv(pr.centroids, BLOCK_CENTROIDS), pr.count)](
-        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms,
+    blocks = triton.cdiv(pr.centroids, BLOCK_CENTROIDS)
+    _centroid_update_kernel[(blocks, pr.count)](
+        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.member_rows(blocks),
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, FROM_POINTS=from_points,
         OPERANDS=operands is not None, PRECISION=operands or "tf32x3",
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
-        BLOCK_K=BLOCK_CENTROIDS, INTERPRET=INTERPRETING, num_warps=8, enable_fp_fusion=False, **pr.flags(),
+        BLOCK_K=BLOCK_CENTROIDS, BLOCK_SCAN=BLOCK_SCAN, INTERPRET=INTERPRETING, num_warps=4, enable_fp_fusion=False, **pr.flags(),
     )  # fmt: skip
 
 

@@ -69,9 +69,11 @@ def encode(
             launch_assign(problems, t, "lloyd", source=source, precision=config.kmeans_precision)
             more = i + 1 < config.kmeans_iters
             launch_update(problems, t, from_points=strided and i == 0, operands=config.kmeans_precision if more else None)
-        launch_round(problems, t, from_points=strided and config.kmeans_iters == 0)
+        held = problems.holds_table
+        launch_round(problems, t, from_points=strided and config.kmeans_iters == 0, operands=held)
         last = t + 1 == config.stages
-        launch_assign(problems, t, "final", need=need if last else None, check=check and last)
+        source = "operands" if held else "working"
+        launch_assign(problems, t, "final", source=source, need=need if last else None, check=check and last)
     if config.stages == 0:
         launch_assign(problems, 0, "none", need=need, check=check)
     allowed = None

@@ -8,7 +8,7 @@ launch covers every item, token starts and slots never become kernel arguments (
 number of launches does not depend on I.
 
 Between launches the problems share scratch, problem-major: the working float32 centroids of the Lloyd
-iterations, each stage's rounded table (stored bits, exactly what the storage will hold, and its scales) and
+iterations, the centroid update's compacted tokens, each stage's rounded table (stored bits, exactly what the storage will hold, and its scales) and
 ids, each head's residual scale need, which the codes kernel turns into its shift, and each item's largest
 magnitude, the write check the codes kernel applies. The points of stage
 ``t`` are never materialised: ``x - C_0[id_0] - ... - C_{t-1}[id_{t-1}]`` (float32, in that order, as the
@@ -53,6 +53,19 @@ class Problems:
     need: torch.Tensor  # float32 [P]: each head's largest scale need (before its shift)
     magnitude: torch.Tensor  # float32 [I]: each item's largest |x| (+inf if any value is NaN/Inf), for the check
     x_align: int = 1  # elements every problem's first point is aligned to (see alignment())
+    members: torch.Tensor | None = None  # int32 [P * centroid blocks, N]: the update's compacted tokens
+
+    @property
+    def holds_table(self) -> bool:
+        """Whether the operand scratch holds a decoded stage table exactly (float32 operands, or bf16 ones and
+        an e4m3 or bf16 table), so that the rounding kernel can leave it for the final assignment."""
+        return self.operands.dtype == torch.float32 or exact_format(self.tables.dtype) == "bf16"
+
+    def member_rows(self, blocks: int) -> torch.Tensor:
+        """The centroid update's scratch: one row of N tokens per (problem, block of ``blocks``), made once."""
+        if self.members is None or self.members.shape[0] != self.count * blocks:
+            self.members = torch.empty(self.count * blocks, self.tokens, dtype=torch.int32, device=self.x.device)
+        return self.members
 
     @property
     def count(self) -> int:

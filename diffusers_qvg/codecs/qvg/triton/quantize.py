@@ -23,8 +23,13 @@ significant bits, far above the float32 subnormal floor). Any float32 ``|r| > h`
 one ulp of ``h``, and ``ulp(h) = 2^(e_h - 23) > h 2^-24`` for ``h`` in ``[2^e_h, 2^(e_h + 1))`` (also for a
 subnormal ``h``, whose ulp is ``2^-149``): so ``q = 0`` iff ``|r| <= step / 2``, compared exactly in
 float32, and otherwise ``q = sign(r)`` (any other rounding is clamped to +-1). The error term
-``(r - q step)^2`` is then ``(|r| - step)^2`` or ``r^2``, the same float32 value (negation is exact). The
-scale candidates ``alpha extent / qmax / shift`` need no division either: ``/ 1`` is exact and dividing by a
+``(r - q step)^2`` is then ``(|r| - step)^2`` or ``r^2``, the same float32 value (negation is exact).
+The candidate loop takes ``|r - q step|`` as ``min(|r|, |fl(|r| - step)|)``, one subtraction and one min per
+element, without the threshold: for ``|r| <= step / 2`` (or ``step == 0``), ``step - |r| >= |r|``, so the
+rounded difference is at least ``|r|`` and the min is ``|r|``; for ``step / 2 < |r| <= 2 step`` the
+difference is exact (Sterbenz) and smaller than ``|r|``; above ``2 step`` it is ``fl(|r| - step) <= |r|``,
+the value the codes use either way. So every element's error term is the same float32 as the reference's.
+The scale candidates ``alpha extent / qmax / shift`` need no division either: ``/ 1`` is exact and dividing by a
 power of two is multiplying by its (exact) inverse, both the correctly rounded result of the same number.
 
 Fused multiply-adds. Every product this kernel adds to something is exact (a centroid times its power-of-two
@@ -156,8 +161,8 @@ def _residual_codes_kernel(
     for j in tl.static_range(CANDIDATES):
         s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT)
         step = (s * shift)[:, :, None]
-        if TERNARY:  # (r - q step)^2 is (|r| - step)^2 where |r| > step / 2, else r^2
-            diff = tl.where(a > _ternary_threshold(step), a - step, a)
+        if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
+            diff = tl.minimum(a, tl.abs(a - step))
         else:
             q = _levels(g, step, zero_f[:, :, None], LOW, QMAX, TERNARY)
             if SYMMETRIC:
