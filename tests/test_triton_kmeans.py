@@ -36,6 +36,18 @@ def test_assignment_ties_go_to_the_lower_index_within_and_across_blocks():
     assert ids[0, 0] == 3 and ids[0, 1] == 7
 
 
+def test_assignment_of_nan_and_inf_points_stays_in_range():
+    """Such a write is refused later, but its ids index tables first: never a masked centroid (37 of a 64-block)."""
+    x = points()
+    x[0, 3] = float("nan")
+    x[1, 5, 0] = float("inf")
+    c = points(N=37, seed=1)
+    ids = assign(x, c)
+    assert ((ids >= 0) & (ids < 37)).all()
+    finite = torch.isfinite(x).all(-1)
+    assert torch.equal(ids.long()[finite], exact_nearest(x, c)[finite])
+
+
 def test_assignment_reads_strided_points():
     x = points(P=2, N=50, D=32).transpose(0, 1).contiguous().transpose(0, 1)  # problem-minor memory
     c = x[:, ::5]

@@ -36,8 +36,8 @@ from .problems import (
     working_rows,
 )
 
-# 64 centroids per program, its members gathered 64 at a time; ids scanned 256 at a time (docs/benchmarks.md,
-# "Tiles" and "The compacted update").
+# 32 centroids per program (8 programs per problem of 256), their members gathered 64 at a time, ids scanned
+# 256 at a time; 4 warps (docs/benchmarks.md, "The compacted update", with the losing tiles).
 BLOCK_POINTS = 64
 BLOCK_CENTROIDS = 32
 BLOCK_SCAN = 256
