@@ -27,6 +27,13 @@ def test_assignment_is_the_nearest_centroid_across_centroid_blocks():
     assert torch.equal(ids.long(), exact_nearest(x, c))
 
 
+def test_assignment_over_whole_centroid_blocks():
+    """128 centroids: two whole blocks, the kernel's unmasked variant (the default 256 takes it too)."""
+    x = points(P=2, N=150, D=32)
+    c = points(P=2, N=128, D=32, seed=1)
+    assert torch.equal(assign(x, c).long(), exact_nearest(x, c))
+
+
 def test_assignment_ties_go_to_the_lower_index_within_and_across_blocks():
     x = points(P=1, N=64)
     c = points(P=1, N=40, seed=1)

@@ -48,7 +48,7 @@ def _assign_kernel(
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, SOURCE: tl.constexpr,
     ROUND: tl.constexpr, POINTS_EXACT: tl.constexpr, FORMAT: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
     NEED: tl.constexpr, CHECK: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p = tl.program_id(1).to(tl.int64)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -74,7 +74,10 @@ def _assign_kernel(
         best_id = tl.zeros([BLOCK_N], tl.int32)
         for k0 in range(0, n_centroids, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < n_centroids
+            if EVEN_K:  # whole blocks (256 or 64 centroids): a constant mask, which the compiler drops
+                k_mask = tl.full([BLOCK_K], True, tl.int1)
+            else:
+                k_mask = ks < n_centroids
             if SOURCE == "operands":  # the update (or, final, the rounding) kernel left them, with their norms
                 offsets = (ks * D)[:, None] + cols[None, :]
                 c = tl.load(op_ptr + p * n_centroids * D + offsets, mask=k_mask[:, None] & col_mask[None, :], other=0)
@@ -159,7 +162,7 @@ def launch_assign(
         *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, SOURCE=source,
         ROUND=rounding, POINTS_EXACT=points_exact, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
-        BLOCK_N=block_n, BLOCK_K=block_k, INTERPRET=INTERPRETING, num_stages=1, num_warps=warps, enable_fp_fusion=False,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=pr.centroids % block_k == 0, INTERPRET=INTERPRETING, num_stages=1, num_warps=warps, enable_fp_fusion=False,
         **pr.flags(),
     )  # fmt: skip
 
