@@ -77,13 +77,13 @@ def test_update_is_the_cluster_mean_and_empty_clusters_keep_theirs():
 
 @pytest.mark.parametrize("skew", ["uniform", "one block", "one cluster"])
 def test_update_gathers_each_centroid_blocks_members(skew):
-    """150 centroids: three programs per problem (the last partial), each summing only its members."""
+    """150 centroids: five programs of 32 per problem (the last partial), each summing only its members."""
     P, N, K = 2, 333, 150
     x = points(P=P, N=N, D=32)
     g = torch.Generator().manual_seed(4)
     ids = {
         "uniform": torch.randint(0, K, (P, N), generator=g),
-        "one block": torch.randint(64, 128, (P, N), generator=g),  # programs 0 and 2 have no members
+        "one block": torch.randint(64, 128, (P, N), generator=g),  # programs 0, 1 and 4 have no members
         "one cluster": torch.full((P, N), K - 1),  # every token in the partial block's last centroid
     }[skew].to(DEVICE, torch.int32)
     old = points(P=P, N=K, D=32, seed=5)
