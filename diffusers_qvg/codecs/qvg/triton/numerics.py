@@ -67,6 +67,20 @@ def round_to_format(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 
 @triton.jit
+def round_nonnegative_to_format(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """:func:`round_to_format` for ``v >= 0`` (or NaN, kept), in half the instructions: the scale search rounds
+    every candidate of every group. Normals round nearest-even in the bits (the carry of ``+ half - 1 + lsb``
+    moves into the exponent exactly when the value rounds up to the next power of two); below the smallest
+    normal the quantum is fixed, ``2^(MIN_EXPONENT - MANTISSA)``, and adding and subtracting ``1.5 * 2^23``
+    quanta rounds to it (the float32 magic-number trick at that ulp)."""
+    DROP: tl.constexpr = 23 - MANTISSA
+    MAGIC: tl.constexpr = 1.5 * 2.0 ** (MIN_EXPONENT - MANTISSA + 23)
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))).to(tl.float32, bitcast=True)
+    return tl.where(v < 2.0**MIN_EXPONENT, (v + MAGIC) - MAGIC, normal)
+
+
+@triton.jit
 def clamp(v, lo, hi):
     """``torch.clamp``'s result bit for bit: a -0.0 inside the range stays -0.0 (min/max instructions may not)."""
     return tl.where(v < lo, lo, tl.where(v > hi, hi, v))

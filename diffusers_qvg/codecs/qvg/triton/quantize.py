@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..format import QVGPacked
 from . import INTERPRETING, as_bits, centroid_scale_operand
-from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_to_format
+from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_nonnegative_to_format, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
 from .problems import exact_dot, item_value, problem_of, problem_points, stage_points
 
@@ -73,12 +73,20 @@ def group_needs(r, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr
 
 
 @triton.jit
-def _scale(alpha, extent, inv_shift, QMAX: tl.constexpr, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
-    """The candidate scale ``fmt(clamp(alpha * extent / qmax / shift, 0, fmt_max))``, as float32."""
+def _scale(
+    alpha, extent, inv_shift, QMAX: tl.constexpr, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, SYMMETRIC: tl.constexpr,
+):
+    """The candidate scale ``fmt(clamp(alpha * extent / qmax / shift, 0, fmt_max))``, as float32. A symmetric
+    extent is ``max |r| >= 0`` (or NaN), so only the upper clamp can act and the sign needs no handling."""
     v = alpha * extent
     if QMAX != 1:
         v = tl.math.div_rn(v, QMAX + 0.0)
-    return round_to_format(clamp(v * inv_shift, 0.0, FMT_MAX), MANTISSA, MIN_EXPONENT)
+    v = v * inv_shift
+    if SYMMETRIC:
+        return round_nonnegative_to_format(tl.where(v > FMT_MAX, FMT_MAX, v), MANTISSA, MIN_EXPONENT)
+    else:
+        return round_to_format(clamp(v, 0.0, FMT_MAX), MANTISSA, MIN_EXPONENT)
 
 
 @triton.jit
@@ -159,7 +167,7 @@ def _residual_codes_kernel(
     best_err = tl.zeros_like(hi)
     best_s = tl.zeros_like(hi)
     for j in tl.static_range(CANDIDATES):
-        s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT)
+        s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT, SYMMETRIC)
         step = (s * shift)[:, :, None]
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
             diff = tl.minimum(a, tl.abs(a - step))
@@ -176,7 +184,7 @@ def _residual_codes_kernel(
             better = err < best_err
             best_err = tl.where(better, err, best_err)
             best_s = tl.where(better, s, best_s)
-    u = _levels(g, (best_s * shift)[:, :, None], zero_f[:, :, None], LOW, QMAX, TERNARY).to(tl.int32) - LOW
+    code = _levels(g, (best_s * shift)[:, :, None], zero_f[:, :, None], LOW, QMAX, TERNARY) - LOW  # exact, float32
 
     # The stores: nothing unless this item's write is clean.
     ok = True
@@ -203,7 +211,7 @@ def _residual_codes_kernel(
     code_row = codes_ptr + item_value(items_ptr, item, CODES) + b * s_codes_b + h * s_codes_h + first * s_codes_t
     code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
     if GROUP >= 16:  # pack on tensor cores: codes [.., GROUP] @ place values [GROUP, bytes], small exact integers
-        levels = tl.reshape(u, (BLOCK * G_PAD, GROUP)).to(tl.float32)
+        levels = tl.reshape(code, (BLOCK * G_PAD, GROUP))
         j = tl.arange(0, GROUP)
         k = tl.arange(0, BYTES_PAD)
         weights = tl.load(pack_ptr + (j[:, None] * BYTES_PAD + k[None, :]))
@@ -214,7 +222,7 @@ def _residual_codes_kernel(
     else:
         within = tl.arange(0, GROUP)
         weights = tl.load(pack_ptr + within * BYTES_PAD + within // PER_BYTE)
-        weighted = u * weights[None, None, :].to(tl.int32)
+        weighted = code.to(tl.int32) * weights[None, None, :].to(tl.int32)
         for byte in tl.static_range(GROUP_BYTES):
             value = tl.sum(tl.where((within // PER_BYTE == byte)[None, None, :], weighted, 0), axis=2)
             tl.store(code_row + (code_at + byte * s_codes_c), value.to(tl.uint8), mask=mask)
