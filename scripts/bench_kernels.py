@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     from diffusers_qvg.codecs.qvg.kmeans import kmeans_init
     from diffusers_qvg.codecs.qvg.triton.assign import assign as triton_assign
     from diffusers_qvg.codecs.qvg.triton.centroid_update import lloyd as triton_lloyd
-    from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into, scale_fractions
+    from diffusers_qvg.codecs.qvg.triton.encoder import launch_count, quantize_residual_into, scale_fractions
     from diffusers_qvg.codecs.status import WriteStatus
     from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_into as triton_dequantize
     from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_pair_into as triton_pair
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
             kv = [config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
                   for _ in range(2)]
             status = WriteStatus(device)
-            launches = max(config.stages * (2 * config.kmeans_iters + 2), 1) + 1
+            launches = launch_count(config)
             table.time("quantize", f"{name}: K and V of a layer, one quantize_batch_into call (ours)",
                        lambda: config.quantize_batch_into([(kv[0], x, 0, 0), (kv[1], v, 0, 0)], status=status),
                        note=f"as the cache writes: a device-side write status, no sync; {launches} launches")

@@ -86,7 +86,7 @@ def test_denoising_forwards_read_nothing_and_a_clean_pass_reads_once(kv_cache, m
         return
     # 3 chunks: the first window holds nothing packed (no read), then one window read per layer-forward
     # (5 forwards per chunk), and one encoder launch sequence per group of layers per clean pass.
-    sequence = state.cache.config.storage.stages * (2 * 1 + 2) + 1
+    sequence = state.cache.config.storage.stages * (1 + 2 * 1 + 2) + 1  # (init, 1 x (assign, update), round, final), codes
     groups = math.ceil(layers / state.cache.config.encode_layers)
     assert names.count("_window_kernel") == 2 * 5 * layers
     assert len(names) - names.count("_window_kernel") == 3 * groups * sequence

@@ -13,6 +13,7 @@ from diffusers_qvg.codecs.groups import scale_candidates
 from diffusers_qvg.codecs.qvg import backend
 from diffusers_qvg.codecs.qvg.kmeans import lloyd as reference_lloyd
 from diffusers_qvg.codecs.qvg.triton.centroid_update import lloyd as triton_lloyd
+from diffusers_qvg.codecs.qvg.triton.encoder import launch_count
 from diffusers_qvg.codecs.status import WriteStatus
 from diffusers_qvg.metrics import rel_l2
 
@@ -173,14 +174,19 @@ def test_a_batch_launches_a_fixed_number_of_kernels(config):
         storages = [allocate(config, x) for _ in range(n)]
         with backend("triton"):
             counts.append(len(launches_of(lambda: config.quantize_batch_into([(s, x, 0, 0) for s in storages]))))
-    assert counts == [max(config.stages * (2 * config.kmeans_iters + 2), 1) + 1] * 3  # + the codes kernel
+    assert counts == [launch_count(config)] * 3
+    assert launch_count(dq.QVGConfig()) == 14  # issue 8: at most 6 per layer, 3 layers per call
 
 
-def test_a_checked_batch_stores_the_items_before_a_bad_one_and_refuses_the_rest():
+@pytest.mark.parametrize("value, message", [
+    (float("inf"), "NaN or Inf values in V;"), (float("nan"), "NaN or Inf values in V;"),
+    (-2.0**60, "values up to 1.15e\\+18 in V;"),  # the device-side check: NaN kept by its max, |x| signed
+])  # fmt: skip
+def test_a_checked_batch_stores_the_items_before_a_bad_one_and_refuses_the_rest(value, message):
     config = dq.QVGConfig(num_centroids=4, kmeans_iters=1)
     x = chunk(N=8, dtype=torch.float32, seed=6)
     bad = x.clone()
-    bad[1, 2, 0, 5] = float("inf")
+    bad[1, 2, 0, 5] = value
     storages = [allocate(config, x) for _ in range(3)]
     expected = allocate(config, x)
     status = WriteStatus(DEVICE)
@@ -191,7 +197,7 @@ def test_a_checked_batch_stores_the_items_before_a_bad_one_and_refuses_the_rest(
     assert_same_bytes(expected, storages[0])
     for s, b in zip(storages[1:], before[1:]):
         assert_same_bytes(b, s)
-    with pytest.raises(ValueError, match="NaN or Inf values in V;"):
+    with pytest.raises(ValueError, match=message):
         status.raise_if_failed()
 
 
@@ -260,3 +266,13 @@ def test_segments_too_long_for_int32_offsets_are_refused():
     x = torch.empty(2**31 + 8, device="meta").as_strided((1, 2, 4), (0, 2**31, 1))  # no memory behind it
     with pytest.raises(ValueError, match="fewer than 2\\^31"):
         points_problems(x, 1)
+
+
+def test_segments_too_long_for_the_strided_init_are_refused():
+    from diffusers_qvg.codecs.qvg.triton.problems import points_problems
+
+    x = torch.empty(1, 2**16 + 1, 1, device="meta")  # (K - 1) N = 2^32 + 2^16
+    with pytest.raises(ValueError, match="< 2\\^32"):
+        points_problems(x, 2**16 + 1)
+    points_problems(x[:, : 2**16 - 1], 2**16 + 1)  # (K - 1) N < 2^32: accepted
+

@@ -30,14 +30,19 @@ import triton.language as tl
 
 from . import INTERPRETING, check_runnable
 from .problems import (
-    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
-    stage_rows, working_rows,
+    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_of, problem_points, stage_inputs,
+    stage_points, stage_rows, working_rows,
 )
 from .quantize import group_needs
 
 # (points per program, centroids per step, warps) per mode, from launch-faithful sm_90 compiles of a layer
 # group's K+V (docs/benchmarks.md, "Tiles"): 128-point programs read each centroid table half as often.
 TILES = {"lloyd": (128, 64, 4), "final": (128, 64, 8), "none": (64, 64, 4)}
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
@@ -65,9 +70,10 @@ def _assign_kernel(
             x = points
         else:
             x = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d).to(tl.float32)
-        magnitude = tl.where(x != x, float("inf"), tl.abs(x))
-        magnitude = tl.where(row_mask[:, None] & col_mask[None, :], magnitude, 0.0)
-        tl.atomic_max(magnitude_ptr + p // (heads * batch), tl.max(tl.max(magnitude, axis=1), axis=0))
+        # One NaN-propagating max per element (masked lanes load 0); a NaN found counts as +inf.
+        magnitude = tl.reduce(tl.reduce(tl.abs(x), 1, _max_keeping_nan), 0, _max_keeping_nan)
+        item, _, _ = problem_of(p, heads, batch)
+        tl.atomic_max(magnitude_ptr + item, tl.where(magnitude != magnitude, float("inf"), magnitude))
     if ASSIGN != "none":
         a = points if POINTS_EXACT else lloyd_operand(points, ROUND)
         best = tl.full([BLOCK_N], float("inf"), tl.float32)
@@ -94,10 +100,9 @@ def _assign_kernel(
                 c = working_rows(
                     x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
                     cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
-                    STAGE, SOURCE == "points", D, CENT_SCALED, PER_CENTROID,
+                    STAGE, False, D, CENT_SCALED, PER_CENTROID,
                 )
-                if not (SOURCE == "points" and POINTS_EXACT):  # points that are exact need no rounding
-                    c = lloyd_operand(c, ROUND)
+                c = lloyd_operand(c, ROUND)
                 norms = tl.sum(c * c, axis=1)
             products = exact_dot(a, tl.trans(c), tl.zeros([BLOCK_N, BLOCK_K], tl.float32), FORMAT, INTERPRET)
             # One rounding, as `norms - 2 * products` rounds (the doubling is exact); masked centroids score +inf.
@@ -112,7 +117,12 @@ def _assign_kernel(
         # In range even for NaN/Inf points, whose scores may pick a masked centroid (such a write is refused).
         best_id = tl.minimum(best_id, n_centroids - 1)
         tl.store(ids_ptr + (STAGE * n_problems + p) * n_points + tokens, best_id, mask=row_mask)
-        if NEED:
+        if NEED and SOURCE == "operands":  # the decoded table, exactly: one widening per element, no scaling
+            rows = row_mask[:, None] & col_mask[None, :]
+            points = points - tl.load(
+                op_ptr + p * n_centroids * D + ((best_id * D)[:, None] + cols[None, :]), mask=rows, other=0
+            ).to(tl.float32)
+        elif NEED:
             points = points - stage_rows(
                 tables_ptr, tscales_ptr, STAGE, p, best_id, row_mask, cols, col_mask, n_centroids, n_problems,
                 D, CENT_SCALED, PER_CENTROID,
@@ -138,8 +148,7 @@ def launch_assign(
     """Assign stage ``stage``'s points; ids go to ``problems.ids[stage]``.
 
     ``mode``: ``"lloyd"`` against the working centroids in ``precision``: rounded here from the float32 table
-    (``source="working"``), from the strided init's points (``"points"``), or as the update kernel left them
-    rounded, with their norms (``"operands"``); ``"final"`` against the stage's rounded table, with exact products where the formats allow
+    (``source="working"``), or as the update kernel left them rounded, with their norms (``"operands"``); ``"final"`` against the stage's rounded table, with exact products where the formats allow
     (decoded here, or as the rounding kernel left it decoded, with its norms: ``source="operands"``);
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
     ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need``, and

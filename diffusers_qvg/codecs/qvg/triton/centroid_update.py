@@ -19,7 +19,9 @@ bit for bit (tests/test_triton_kmeans.py holds them to it). Empty clusters keep 
 The product is taken transposed (points^T @ one-hot^T), so that the head dimension is the tensor cores' M.
 With ``OPERANDS`` a program also leaves its new centroids rounded to the next assignment's input format
 (``QVGConfig.kmeans_precision``) with their squared norms, so that the assignment's programs (37 per
-problem for a 4,680-token chunk) do not each round and reduce the whole table again.
+problem for a 4,680-token chunk) do not each round and reduce the whole table again. With ``INIT`` a program
+only takes the strided init's points as its working centroids (with their operands and norms): the
+encoder's first launch of a stage, so that the first assignment, too, reads a ready table.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _centroid_update_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
     cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, members_ptr,
-    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, EXACT: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, INIT: tl.constexpr, EXACT: tl.constexpr,
     OPERANDS: tl.constexpr, PRECISION: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_SCAN: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
@@ -75,42 +77,47 @@ def _centroid_update_kernel(
     k_mask = ks < n_centroids
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
     x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
-    # The tokens whose id is one of this program's centroids, in token order, into its own scratch row.
-    members_row = members_ptr + (p * tl.num_programs(0) + tl.program_id(0)) * n_points
-    members = 0
-    for n0 in range(0, n_points, BLOCK_SCAN):
-        tokens = n0 + tl.arange(0, BLOCK_SCAN)
-        ids = tl.load(ids_row + tokens, mask=tokens < n_points, other=-1)
-        mine = (ids >= k0) & (ids < k0 + BLOCK_K)
-        tl.store(members_row + members + tl.cumsum(mine.to(tl.int32), 0) - 1, tokens, mask=mine)
-        members += tl.sum(mine.to(tl.int32), 0)
-    tl.debug_barrier()  # the row's stores are visible to every thread of the program
-    sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
-    hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
-    for m0 in range(0, members, BLOCK_N):
-        j = m0 + tl.arange(0, BLOCK_N)
-        row_mask = j < members
-        tokens = tl.load(members_row + j, mask=row_mask, other=0)
-        ids = tl.load(ids_row + tokens, mask=row_mask, other=-1)
-        hit = ks[:, None] == ids[None, :]  # [BLOCK_K, BLOCK_N]
-        hits += hit.to(tl.int32)
-        if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
-            points = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d)
-        else:
-            points = stage_points(
-                x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-                p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
-            )
-        sums = _add_members(sums, hit, points, EXACT, INTERPRET)
-    counts = tl.sum(hits, axis=1)
-    old = working_rows(
-        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-        cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
-    )
-    count = counts[:, None]
-    mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), old)
+    if INIT:  # the strided init's points become the working centroids, without an update
+        mean = working_rows(
+            x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+            cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, True, D, CENT_SCALED, PER_CENTROID,
+        )
+    else:
+        ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
+        # The tokens whose id is one of this program's centroids, in token order, into its own scratch row.
+        members_row = members_ptr + (p * tl.num_programs(0) + tl.program_id(0)) * n_points
+        members = 0
+        for n0 in range(0, n_points, BLOCK_SCAN):
+            tokens = n0 + tl.arange(0, BLOCK_SCAN)
+            ids = tl.load(ids_row + tokens, mask=tokens < n_points, other=-1)
+            mine = (ids >= k0) & (ids < k0 + BLOCK_K)
+            tl.store(members_row + members + tl.cumsum(mine.to(tl.int32), 0) - 1, tokens, mask=mine)
+            members += tl.sum(mine.to(tl.int32), 0)
+        tl.debug_barrier()  # the row's stores are visible to every thread of the program
+        sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
+        hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
+        for m0 in range(0, members, BLOCK_N):
+            j = m0 + tl.arange(0, BLOCK_N)
+            row_mask = j < members
+            tokens = tl.load(members_row + j, mask=row_mask, other=0)
+            ids = tl.load(ids_row + tokens, mask=row_mask, other=-1)
+            hit = ks[:, None] == ids[None, :]  # [BLOCK_K, BLOCK_N]
+            hits += hit.to(tl.int32)
+            if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
+                points = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d)
+            else:
+                points = stage_points(
+                    x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+                    p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
+                )
+            sums = _add_members(sums, hit, points, EXACT, INTERPRET)
+        count = tl.sum(hits, axis=1)[:, None]
+        old = working_rows(  # an empty cluster keeps its centroid
+            x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+            cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, False, D, CENT_SCALED, PER_CENTROID,
+        )
+        mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), old)
     offsets = (ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]
     mask = k_mask[:, None] & col_mask[None, :]
     tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=mask)
@@ -120,19 +127,17 @@ def _centroid_update_kernel(
         tl.store(norm_ptr + p * n_centroids + ks, tl.sum(operand * operand, axis=1), mask=k_mask)
 
 
-def launch_update(
-    problems: Problems, stage: int, *, from_points: bool = False, operands: str | None = None
-) -> None:
+def launch_update(problems: Problems, stage: int, *, init: bool = False, operands: str | None = None) -> None:
     """Replace the working centroids by the means of stage ``stage``'s points under ``problems.ids[stage]``
-    (the strided init's points are the previous centroids when ``from_points``); with ``operands`` (a
-    k-means precision), also the next assignment's operands and norms."""
+    (``init``: by the strided init's points, reading no ids); with ``operands`` (a k-means precision), also
+    the next assignment's operands and norms."""
     pr = problems
     exact = exact_format(pr.x.dtype) if stage == 0 else None
     D = pr.head_dim
     blocks = triton.cdiv(pr.centroids, BLOCK_CENTROIDS)
     _centroid_update_kernel[(blocks, pr.count)](
         *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.member_rows(blocks),
-        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, FROM_POINTS=from_points,
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, INIT=init,
         OPERANDS=operands is not None, PRECISION=operands or "tf32x3",
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
         BLOCK_K=BLOCK_CENTROIDS, BLOCK_SCAN=BLOCK_SCAN, INTERPRET=INTERPRETING, num_warps=4, enable_fp_fusion=False, **pr.flags(),

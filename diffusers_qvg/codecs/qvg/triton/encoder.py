@@ -1,15 +1,17 @@
 """The Triton encoder: writes of one config and one shape (e.g. a layer's K and V) in a fixed number of launches.
 
-For ``S`` stages of ``L`` Lloyd iterations the launches are, per stage, ``L`` times (assign, update), the
-rounding of the table and the final assignment, then the codes kernel: ``S * (2 L + 2) + 1`` (13 for the
-default ``QVGConfig()``; without stages, a scale-need pass and the codes kernel), whatever the number of
-writes. Everything before the codes kernel writes only the problem set's scratch (:mod:`.problems`); the
+For ``S`` stages of ``L`` Lloyd iterations the launches are, per stage, the strided init (when ``L > 0``),
+``L`` times (assign, update), the rounding of the table and the final assignment, then the codes kernel:
+``S * (2 L + 3) + 1`` (14 for the default ``QVGConfig()``; without stages, a scale-need pass and the codes
+kernel; :func:`launch_count`), whatever the number of writes. Everything before the codes kernel writes only the problem set's scratch (:mod:`.problems`); the
 codes kernel makes every store of the writes, gated on the write status. Nothing reads the device on the
 host.
 
-The strided init (the default) costs no launch: the first iteration reads its centroids straight from the
-points. Warm starts, ``"random"`` and ``"kmeans++"`` fill the working centroids with PyTorch ops first, each
-write with its own generator seeded as the reference seeds it.
+The strided init (the default) is one small launch (the update kernel's ``INIT``: 256 rows per problem
+gathered, rounded and normed once), so that the first assignment's programs (37 per problem for a
+4,680-token chunk) read a ready table instead of each gathering and norming it. Warm starts, ``"random"``
+and ``"kmeans++"`` fill the working centroids with PyTorch ops first, each write with its own generator
+seeded as the reference seeds it.
 """
 
 from __future__ import annotations
@@ -64,11 +66,13 @@ def encode(
     for t in range(config.stages):
         if not strided:
             fill_initial_centroids(config, writes, problems, t, heads)
+        elif config.kmeans_iters:
+            launch_update(problems, t, init=True, operands=config.kmeans_precision)
         for i in range(config.kmeans_iters):
-            source = "operands" if i else "points" if strided else "working"
+            source = "operands" if i or strided else "working"
             launch_assign(problems, t, "lloyd", source=source, precision=config.kmeans_precision)
             more = i + 1 < config.kmeans_iters
-            launch_update(problems, t, from_points=strided and i == 0, operands=config.kmeans_precision if more else None)
+            launch_update(problems, t, operands=config.kmeans_precision if more else None)
         held = problems.holds_table
         launch_round(problems, t, from_points=strided and config.kmeans_iters == 0, operands=held)
         last = t + 1 == config.stages
@@ -81,6 +85,13 @@ def encode(
         whats, conditions = zip(*checks)
         allowed = status.check_batch(problems.magnitude, whats, config.max_abs_input, holds, conditions).to(torch.int32)
     launch_codes(problems, writes[0].storage, scale_fractions(config.scale_search, problems.x.device), allowed)
+
+
+def launch_count(config: QVGConfig) -> int:
+    """The launches of one encoder call with the strided init (see the module docstring)."""
+    if config.stages == 0:
+        return 2
+    return config.stages * (2 * config.kmeans_iters + 2 + (config.kmeans_iters > 0)) + 1
 
 
 def quantize_residual_into(storage: QVGPacked, x: torch.Tensor, alphas: torch.Tensor, *, token_start: int, slot: int) -> None:
