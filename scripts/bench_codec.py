@@ -44,6 +44,7 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 tf32 k-means": (dq.QVGConfig(kmeans_precision="tf32"), False),
         # The encoder's GPU time is mostly Lloyd iterations (docs/benchmarks.md, "Encoder"): fewer of them,
         # from the strided init or warm-started from the previous chunk's centroids.
+        "qvg-int2 4 Lloyd iters": (dq.QVGConfig(kmeans_iters=4), False),
         "qvg-int2 3 Lloyd iters": (dq.QVGConfig(kmeans_iters=3), False),
         "qvg-int2 2 Lloyd iters": (dq.QVGConfig(kmeans_iters=2), False),
         "qvg-int2 1 Lloyd iter": (dq.QVGConfig(kmeans_iters=1), False),

@@ -35,7 +35,7 @@ class CacheConfig:
         rope_frames: frame positions RoPE may use; ``None``: the transformer's ``rope_max_seq_len``. A stream
             running past them re-bases its window (:func:`~diffusers_qvg.cache.plan.window_positions`).
         encode_layers: layers whose writes of a finished chunk go in one encoder call (QVG's batched encoder
-            launches the same 13 kernels for any number of layers, with more programs each). The clean-context
+            launches the same 14 kernels for any number of layers, with more programs each). The clean-context
             pass holds this many layers' chunk K/V until the group's last layer has attended.
     """
 
