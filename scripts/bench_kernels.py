@@ -198,10 +198,10 @@ def main(argv: list[str] | None = None) -> None:
                        lambda: [config.quantize_into(s, t, token_start=0, slot=0, status=status) for s, t in zip(kv, (x, v))],
                        note="the same writes one by one")
             # The clean pass's call at the cache's default CacheConfig.encode_layers=3: a chunk is 10 of these at
-            # 30 layers (issue 8's <= 3 ms per chunk); then the two measured codec levers (docs/benchmarks.md).
+            # 30 layers (issue 8's <= 3 ms per chunk); then the measured codec levers (docs/benchmarks.md).
             levers = {"": config}
             if name == "qvg-int2" and not args.small:  # the same call, other configs (seconds in the interpreter)
-                levers |= {", kmeans_iters=3": config.with_(kmeans_iters=3),
+                levers |= {", kmeans_iters=4": config.with_(kmeans_iters=4), ", kmeans_iters=3": config.with_(kmeans_iters=3),
                            ", scale_search='mse-coarse'": config.with_(scale_search="mse-coarse")}
             for lever, c in levers.items():
                 group = [c.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype,
