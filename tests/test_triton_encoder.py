@@ -275,4 +275,3 @@ def test_segments_too_long_for_the_strided_init_are_refused():
     with pytest.raises(ValueError, match="< 2\\^32"):
         points_problems(x, 2**16 + 1)
     points_problems(x[:, : 2**16 - 1], 2**16 + 1)  # (K - 1) N < 2^32: accepted
-

@@ -117,7 +117,7 @@ def _assign_kernel(
         # In range even for NaN/Inf points, whose scores may pick a masked centroid (such a write is refused).
         best_id = tl.minimum(best_id, n_centroids - 1)
         tl.store(ids_ptr + (STAGE * n_problems + p) * n_points + tokens, best_id, mask=row_mask)
-        if NEED and SOURCE == "operands":  # the decoded table, exactly: one widening per element, no scaling
+        if NEED and ASSIGN == "final" and SOURCE == "operands":  # the decoded table, exactly: no decode, no scale
             rows = row_mask[:, None] & col_mask[None, :]
             points = points - tl.load(
                 op_ptr + p * n_centroids * D + ((best_id * D)[:, None] + cols[None, :]), mask=rows, other=0
@@ -148,8 +148,9 @@ def launch_assign(
     """Assign stage ``stage``'s points; ids go to ``problems.ids[stage]``.
 
     ``mode``: ``"lloyd"`` against the working centroids in ``precision``: rounded here from the float32 table
-    (``source="working"``), or as the update kernel left them rounded, with their norms (``"operands"``); ``"final"`` against the stage's rounded table, with exact products where the formats allow
-    (decoded here, or as the rounding kernel left it decoded, with its norms: ``source="operands"``);
+    (``source="working"``), or as the update kernel left them rounded, with their norms (``"operands"``);
+    ``"final"`` against the stage's rounded table, with exact products where the formats allow (decoded here,
+    or as the rounding kernel left it decoded, with its norms: ``source="operands"``);
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
     ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need``, and
     ``check`` each item's largest magnitude into ``problems.magnitude`` (both zeroed by the rounding kernel,

@@ -78,12 +78,7 @@ def _centroid_update_kernel(
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
     x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
-    if INIT:  # the strided init's points become the working centroids, without an update
-        mean = working_rows(
-            x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-            cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, True, D, CENT_SCALED, PER_CENTROID,
-        )
-    else:
+    if not INIT:
         ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
         # The tokens whose id is one of this program's centroids, in token order, into its own scratch row.
         members_row = members_ptr + (p * tl.num_programs(0) + tl.program_id(0)) * n_points
@@ -112,12 +107,15 @@ def _centroid_update_kernel(
                     p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
                 )
             sums = _add_members(sums, hit, points, EXACT, INTERPRET)
+    # The strided init's points (INIT: they become the working centroids, without an update), or the previous
+    # centroids, which an empty cluster keeps; loaded after the member loop, which does not need them live.
+    mean = working_rows(
+        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+        cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, INIT, D, CENT_SCALED, PER_CENTROID,
+    )
+    if not INIT:
         count = tl.sum(hits, axis=1)[:, None]
-        old = working_rows(  # an empty cluster keeps its centroid
-            x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-            cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, False, D, CENT_SCALED, PER_CENTROID,
-        )
-        mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), old)
+        mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), mean)
     offsets = (ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]
     mask = k_mask[:, None] & col_mask[None, :]
     tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=mask)

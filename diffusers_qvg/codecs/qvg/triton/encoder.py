@@ -3,9 +3,9 @@
 For ``S`` stages of ``L`` Lloyd iterations the launches are, per stage, the strided init (when ``L > 0``),
 ``L`` times (assign, update), the rounding of the table and the final assignment, then the codes kernel:
 ``S * (2 L + 3) + 1`` (14 for the default ``QVGConfig()``; without stages, a scale-need pass and the codes
-kernel; :func:`launch_count`), whatever the number of writes. Everything before the codes kernel writes only the problem set's scratch (:mod:`.problems`); the
-codes kernel makes every store of the writes, gated on the write status. Nothing reads the device on the
-host.
+kernel; :func:`launch_count`), whatever the number of writes. Everything before the codes kernel writes only
+the problem set's scratch (:mod:`.problems`); the codes kernel makes every store of the writes, gated on the
+write status. Nothing reads the device on the host.
 
 The strided init (the default) is one small launch (the update kernel's ``INIT``: 256 rows per problem
 gathered, rounded and normed once), so that the first assignment's programs (37 per problem for a
