@@ -11,7 +11,8 @@ import diffusers_qvg as dq
 from diffusers_qvg.codecs.groups import scale_candidates
 from diffusers_qvg.codecs.qvg import backend
 from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into
-from diffusers_qvg.codecs.qvg.triton.numerics import round_nonnegative_to_format
+from diffusers_qvg.codecs.qvg.triton import INTERPRETING
+from diffusers_qvg.codecs.qvg.triton.numerics import round_scale
 from diffusers_qvg.metrics import rel_l2
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
@@ -141,17 +142,25 @@ def test_self_forcing_chunk_gives_the_reference_codes_on_gpu(name):
 
 
 @triton.jit
-def _round_nonnegative(v_ptr, out_ptr, n, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr):
+def _round_scale(v_ptr, out_ptr, n, FMT_MAX: tl.constexpr, E4M3: tl.constexpr, SOFTWARE: tl.constexpr, BLOCK: tl.constexpr):
     at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     v = tl.load(v_ptr + at, mask=at < n)
-    tl.store(out_ptr + at, round_nonnegative_to_format(v, MANTISSA, MIN_EXPONENT), mask=at < n)
+    tl.store(out_ptr + at, round_scale(v, FMT_MAX, E4M3, SOFTWARE), mask=at < n)
 
 
-@pytest.mark.parametrize("fmt, mantissa, min_exponent", [(torch.float8_e4m3fn, 3, -6), (torch.float16, 10, -14)])
-def test_nonnegative_rounding_equals_the_cast(fmt, mantissa, min_exponent):
-    """The scale search's rounding, bit for bit the cast's, on every representable value of the format, every
-    midpoint between neighbours (ties to even) and the float32 values either side of it, zero, float32
-    subnormals and random values up to the format's maximum."""
+@pytest.mark.parametrize(
+    "fmt, software",
+    [
+        (torch.float8_e4m3fn, True),
+        pytest.param(torch.float8_e4m3fn, False, marks=[pytest.mark.gpu, pytest.mark.skipif(INTERPRETING or not torch.cuda.is_available(), reason="the conversion instructions need CUDA")]),
+        (torch.float16, False),
+    ],
+)
+def test_scale_rounding_equals_the_cast(fmt, software):
+    """The scale search's rounding (the bit arithmetic, or the GPU's conversion instructions), bit for bit the
+    saturated cast's, on every representable value of the format, every midpoint between neighbours (ties to
+    even) and the float32 values either side of it, zero, float32 subnormals, random values up to the
+    format's maximum and values above it."""
     grid = torch.arange(256 if fmt == torch.float8_e4m3fn else 65536, dtype=torch.int32)
     grid = grid.to(torch.uint8 if fmt == torch.float8_e4m3fn else torch.int16).view(fmt).float()
     grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
@@ -159,8 +168,9 @@ def test_nonnegative_rounding_equals_the_cast(fmt, mantissa, min_exponent):
     bits = mids.view(torch.int32)
     near = torch.cat([(bits - 1).view(torch.float32), (bits + 1).view(torch.float32)])
     rand = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * grid.max()
-    tiny = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 2.0**-20, 2.0**min_exponent])
-    v = torch.cat([grid, mids, near, rand, tiny]).clamp(max=grid.max()).to(DEVICE)
+    top = grid.max().item()
+    edge = torch.tensor([0.0, 1e-45, 1e-40, 2.0**-126, 2.0**-20, 2.0**-6, 2.0**-14, top * 1.03, top * 1.5, 2.0**60, float("inf")])
+    v = torch.cat([grid, mids, near, rand, edge]).to(DEVICE)
     out = torch.empty_like(v)
-    _round_nonnegative[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), mantissa, min_exponent, BLOCK=1024)
-    assert torch.equal(out.view(torch.int32), v.to(fmt).float().view(torch.int32))
+    _round_scale[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), top, fmt == torch.float8_e4m3fn, software, BLOCK=1024)
+    assert torch.equal(out.view(torch.int32), v.clamp(max=top).to(fmt).float().view(torch.int32))

@@ -1,12 +1,13 @@
 """Exact float formats by integer arithmetic, shared by the QVG kernels.
 
 Triton's own rounding conversions differ between backends (the CPU interpreter truncates to bfloat16 and
-rounds e4m3 its own way; GPUs saturate), so every rounding the format contract names is spelled out here
+rounds e4m3 its own way; GPUs saturate), so the roundings the format contract names are spelled out here
 with integer bit operations and power-of-two products: the results are the same on every backend and equal
-to PyTorch's casts for the finite, in-range values the codec produces. Widening conversions (e4m3, fp16,
-bf16 to float32) are exact everywhere and use Triton's own.
+to PyTorch's casts for the finite, in-range values the codec produces. The one exception is the scale
+search's hot rounding (:func:`round_scale`), which takes the GPU's conversion instructions where their
+rounding is the cast's. Widening conversions (e4m3, fp16, bf16 to float32) are exact everywhere and use
+Triton's own.
 """
-
 from __future__ import annotations
 
 import triton
@@ -78,6 +79,23 @@ def round_nonnegative_to_format(v, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.cons
     bits = v.to(tl.int32, bitcast=True)
     normal = ((bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)) & (-(1 << DROP))).to(tl.float32, bitcast=True)
     return tl.where(v < 2.0**MIN_EXPONENT, (v + MAGIC) - MAGIC, normal)
+
+
+@triton.jit
+def round_scale(v, FMT_MAX: tl.constexpr, E4M3: tl.constexpr, SOFTWARE: tl.constexpr):
+    """``fmt(min(v, fmt_max))`` for ``v >= 0`` (or NaN, kept) as float32: nearest-even in the scale format
+    (e4m3 or float16), saturated at its maximum, by the conversion instructions (``cvt.rn``; for e4m3
+    ``cvt.rn.satfinite``, one instruction per two values), which the PTX ISA defines as IEEE round-to-nearest-
+    even with subnormals: the cast's rounding, in fewer instructions than the bit arithmetic. The
+    interpreter rounds e4m3 ties its own way, so there (``SOFTWARE``) e4m3 is rounded by
+    :func:`round_nonnegative_to_format`; its float16 cast is numpy's, nearest-even."""
+    v = tl.where(v > FMT_MAX, FMT_MAX, v)
+    if E4M3 and SOFTWARE:
+        return round_nonnegative_to_format(v, 3, -6)
+    elif E4M3:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        return v.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
 
 
 @triton.jit

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from ..format import QVGPacked
 from . import INTERPRETING, as_bits, centroid_scale_operand
-from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_nonnegative_to_format, round_to_format
+from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_scale, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
 from .problems import exact_dot, item_value, problem_of, problem_points, stage_points
 
@@ -75,7 +75,7 @@ def group_needs(r, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr
 @triton.jit
 def _scale(
     alpha, extent, inv_shift, QMAX: tl.constexpr, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr, SYMMETRIC: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, SYMMETRIC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """The candidate scale ``fmt(clamp(alpha * extent / qmax / shift, 0, fmt_max))``, as float32. A symmetric
     extent is ``max |r| >= 0`` (or NaN), so only the upper clamp can act and the sign needs no handling."""
@@ -84,7 +84,7 @@ def _scale(
         v = tl.math.div_rn(v, QMAX + 0.0)
     v = v * inv_shift
     if SYMMETRIC:
-        return round_nonnegative_to_format(tl.where(v > FMT_MAX, FMT_MAX, v), MANTISSA, MIN_EXPONENT)
+        return round_scale(v, FMT_MAX, MANTISSA == 3, INTERPRET)
     else:
         return round_to_format(clamp(v, 0.0, FMT_MAX), MANTISSA, MIN_EXPONENT)
 
@@ -167,7 +167,7 @@ def _residual_codes_kernel(
     best_err = tl.zeros_like(hi)
     best_s = tl.zeros_like(hi)
     for j in tl.static_range(CANDIDATES):
-        s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT, SYMMETRIC)
+        s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT, SYMMETRIC, INTERPRET)
         step = (s * shift)[:, :, None]
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
             diff = tl.minimum(a, tl.abs(a - step))
