@@ -275,3 +275,13 @@ def test_segments_too_long_for_the_strided_init_are_refused():
     with pytest.raises(ValueError, match="< 2\\^32"):
         points_problems(x, 2**16 + 1)
     points_problems(x[:, : 2**16 - 1], 2**16 + 1)  # (K - 1) N < 2^32: accepted
+
+
+def test_segments_too_long_for_the_update_members_are_refused():
+    """The centroid update packs a member's token and its place among 32 centroids into one int32."""
+    from diffusers_qvg.codecs.qvg.triton.problems import MAX_TOKENS, points_problems
+
+    x = torch.empty(1, MAX_TOKENS, 1, device="meta")
+    with pytest.raises(ValueError, match=f"{MAX_TOKENS} tokens is too long"):
+        points_problems(x, 2)
+    points_problems(x[:, : MAX_TOKENS - 1], 2)  # accepted

@@ -1,8 +1,8 @@
 """Deterministic k-means centroid update: each cluster's mean, summed in a fixed order, no atomics.
 
-One program per (block of centroids, problem) first scans the problem's ids and compacts, in token order,
-the tokens assigned to its centroids into its own scratch row (a prefix sum per block of ids); then it walks
-only those tokens, block by block, and adds each block into its centroids' sums with one matrix product: a
+One program per (block of centroids, problem) first scans the problem's ids and compacts the tokens assigned
+to its centroids into its own scratch row, in a fixed order (a prefix sum per block of ids, each token kept
+with its centroid's place in the block); then it walks only those tokens, block by block, and adds each block into its centroids' sums with one matrix product: a
 one-hot matrix ``[centroid == id]`` (exact 0/1) times the gathered points, on tensor cores. So each of the
 ``K / BLOCK_CENTROIDS`` programs of a problem multiplies about ``N / (K / BLOCK_CENTROIDS)`` points, not all
 ``N``: the one-hot product's work is ``2 N BLOCK_CENTROIDS D`` per problem instead of ``2 N K D``, and the
@@ -10,7 +10,7 @@ points are read about once in all (docs/benchmarks.md, "The compacted update").
 
 The products are exact: stage-0 points of a bf16 (fp16) tensor are bf16 (fp16) values, and float32 points
 are split exactly into three bf16 parts (8 + 8 + 8 significant bits), multiplied one after the other. So the
-sums are float32 sums of the points themselves, in an order fixed by the code (token order, the same bits
+sums are float32 sums of the points themselves, in an order fixed by the code (the scan's, the same bits
 every run), and the mean is the IEEE quotient by the count. flash-kmeans (the reference on CUDA) adds
 float32 atomics instead, so its bits vary between runs; its torch fallback sums each cluster sequentially
 with ``index_add_``. The order of float32 additions differs, so the results agree to float32 rounding, not
@@ -34,15 +34,16 @@ from . import INTERPRETING, check_runnable
 from .assign import launch_assign
 from .numerics import round_to_bf16
 from .problems import (
-    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
+    MAX_TOKENS, Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
     working_rows,
 )
 
 # 32 centroids per program (8 programs per problem of 256), their members gathered 64 at a time, ids scanned
-# 256 at a time; 4 warps (docs/benchmarks.md, "The compacted update", with the losing tiles).
+# 1024 at a time; 4 warps (docs/benchmarks.md, "The compacted update", with the losing tiles).
 BLOCK_POINTS = 64
 BLOCK_CENTROIDS = 32
-BLOCK_SCAN = 256
+assert MAX_TOKENS * BLOCK_CENTROIDS <= 2**31  # a member (token x BLOCK_CENTROIDS + place) is an int32
+BLOCK_SCAN = 1024
 
 
 @triton.jit
@@ -80,24 +81,34 @@ def _centroid_update_kernel(
     x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
     if not INIT:
         ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
-        # The tokens whose id is one of this program's centroids, in token order, into its own scratch row.
+        # The tokens whose id is one of this program's centroids, into its own scratch row, in scan order: a
+        # block of ids is [SCAN_ROWS, SCAN_COLS] with token n0 + c * SCAN_ROWS + r at (r, c), coalesced down
+        # the rows, and compacted row by row, so each thread counts and ranks its own row's ids and only the
+        # row counts are summed across threads (one prefix sum per block, not one per id).
+        SCAN_ROWS: tl.constexpr = 128  # a row per thread of the 4 warps
+        SCAN_COLS: tl.constexpr = BLOCK_SCAN // SCAN_ROWS
         members_row = members_ptr + (p * tl.num_programs(0) + tl.program_id(0)) * n_points
         members = 0
         for n0 in range(0, n_points, BLOCK_SCAN):
-            tokens = n0 + tl.arange(0, BLOCK_SCAN)
+            tokens = n0 + tl.arange(0, SCAN_ROWS)[:, None] + (tl.arange(0, SCAN_COLS) * SCAN_ROWS)[None, :]
             ids = tl.load(ids_row + tokens, mask=tokens < n_points, other=-1)
-            mine = (ids >= k0) & (ids < k0 + BLOCK_K)
-            tl.store(members_row + members + tl.cumsum(mine.to(tl.int32), 0) - 1, tokens, mask=mine)
-            members += tl.sum(mine.to(tl.int32), 0)
+            mine = ((ids >= k0) & (ids < k0 + BLOCK_K)).to(tl.int32)
+            in_row = tl.cumsum(mine, 1)
+            row_count = tl.sum(mine, 1)
+            before_row = tl.cumsum(row_count, 0) - row_count
+            # A member is its token and its centroid's place in the block, in one int32 (N < 2^26, checked).
+            member = tokens * BLOCK_K + (ids - k0)
+            tl.store(members_row + (members + before_row[:, None] + in_row - 1), member, mask=mine != 0)
+            members += tl.sum(row_count, 0)
         tl.debug_barrier()  # the row's stores are visible to every thread of the program
         sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
         hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
         for m0 in range(0, members, BLOCK_N):
             j = m0 + tl.arange(0, BLOCK_N)
             row_mask = j < members
-            tokens = tl.load(members_row + j, mask=row_mask, other=0)
-            ids = tl.load(ids_row + tokens, mask=row_mask, other=-1)
-            hit = ks[:, None] == ids[None, :]  # [BLOCK_K, BLOCK_N]
+            member = tl.load(members_row + j, mask=row_mask, other=0).to(tl.uint32)
+            tokens = (member // BLOCK_K).to(tl.int32)
+            hit = (tl.arange(0, BLOCK_K)[:, None] == (member % BLOCK_K).to(tl.int32)[None, :]) & row_mask[None, :]
             hits += hit.to(tl.int32)
             if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
                 points = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d)

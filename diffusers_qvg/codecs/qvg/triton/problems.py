@@ -28,6 +28,8 @@ from .numerics import round_to_bf16, round_to_tf32
 # Columns of the item table.
 X, CODES, SCALES, ZEROS, IDS, CENT, CSCALE, SHIFT, TOKEN_START, SLOT = (tl.constexpr(i) for i in range(10))
 COLUMNS = tl.constexpr(10)
+# Tokens per problem below which the centroid update's int32 members (token x 32 + centroid in its block) fit.
+MAX_TOKENS = 2**26
 STORAGE_FIELDS = ("codes", "scales", "zeros", "ids", "centroids", "centroid_scales", "scale_shift")
 
 
@@ -80,8 +82,14 @@ class Problems:
 
     def check_offsets(self) -> None:
         """Per-element offsets in the kernels are int32: a problem's points must span less than 2^31 elements;
-        the strided init's ``k * N`` is unsigned 32-bit (:func:`strided_tokens`)."""
+        the strided init's ``k * N`` is unsigned 32-bit (:func:`strided_tokens`); the centroid update packs a
+        member's token and its place in a block of centroids into one int32 (``N < MAX_TOKENS``)."""
         N, D = self.tokens, self.head_dim
+        if N >= MAX_TOKENS:
+            raise ValueError(
+                f"a segment of {N} tokens is too long for the Triton encoder (at most {MAX_TOKENS - 1} per "
+                "segment and head): pack shorter segments"
+            )
         if (self.centroids - 1) * N >= 2**32:
             raise ValueError(
                 f"a segment of {N} tokens with {self.centroids} centroids needs (centroids - 1) x tokens < 2^32 "
