@@ -89,11 +89,11 @@ def round_scale(v, FMT_MAX: tl.constexpr, E4M3: tl.constexpr, SOFTWARE: tl.const
     even with subnormals: the cast's rounding, in fewer instructions than the bit arithmetic. The
     interpreter rounds e4m3 ties its own way, so there (``SOFTWARE``) e4m3 is rounded by
     :func:`round_nonnegative_to_format`; its float16 cast is numpy's, nearest-even."""
-    v = tl.where(v > FMT_MAX, FMT_MAX, v)
-    if E4M3 and SOFTWARE:
-        return round_nonnegative_to_format(v, 3, -6)
-    elif E4M3:
+    if E4M3 and not SOFTWARE:  # satfinite: above the maximum (Inf too) gives the maximum, NaN stays NaN
         return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    v = tl.where(v > FMT_MAX, FMT_MAX, v)
+    if E4M3:
+        return round_nonnegative_to_format(v, 3, -6)
     else:
         return v.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)
 
