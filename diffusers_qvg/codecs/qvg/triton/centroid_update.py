@@ -2,11 +2,12 @@
 
 One program per (block of centroids, problem) first scans the problem's ids and compacts the tokens assigned
 to its centroids into its own scratch row, in a fixed order (a prefix sum per block of ids, each token kept
-with its centroid's place in the block); then it walks only those tokens, block by block, and adds each block into its centroids' sums with one matrix product: a
-one-hot matrix ``[centroid == id]`` (exact 0/1) times the gathered points, on tensor cores. So each of the
-``K / BLOCK_CENTROIDS`` programs of a problem multiplies about ``N / (K / BLOCK_CENTROIDS)`` points, not all
-``N``: the one-hot product's work is ``2 N BLOCK_CENTROIDS D`` per problem instead of ``2 N K D``, and the
-points are read about once in all (docs/benchmarks.md, "The compacted update").
+with its centroid's place in the block); then it walks only those tokens, block by block, and adds each
+block into its centroids' sums with one matrix product: a one-hot matrix ``[centroid == id]`` (exact 0/1)
+times the gathered points, on tensor cores. So each of the ``K / BLOCK_CENTROIDS`` programs of a problem
+multiplies about ``N / (K / BLOCK_CENTROIDS)`` points, not all ``N``: the one-hot product's work is
+``2 N BLOCK_CENTROIDS D`` per problem instead of ``2 N K D``, and the points are read about once in all
+(docs/benchmarks.md, "The compacted update").
 
 The products are exact: stage-0 points of a bf16 (fp16) tensor are bf16 (fp16) values, and float32 points
 are split exactly into three bf16 parts (8 + 8 + 8 significant bits), multiplied one after the other. So the
@@ -34,8 +35,8 @@ from . import INTERPRETING, check_runnable
 from .assign import launch_assign
 from .numerics import round_to_bf16
 from .problems import (
-    MAX_TOKENS, Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs, stage_points,
-    working_rows,
+    MAX_TOKENS, Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs,
+    stage_points, working_rows,
 )
 
 # 32 centroids per program (8 programs per problem of 256), their members gathered 64 at a time, ids scanned

@@ -8,6 +8,7 @@ search's hot rounding (:func:`round_scale`), which takes the GPU's conversion in
 rounding is the cast's. Widening conversions (e4m3, fp16, bf16 to float32) are exact everywhere and use
 Triton's own.
 """
+
 from __future__ import annotations
 
 import triton
