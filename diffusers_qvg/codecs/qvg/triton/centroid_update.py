@@ -97,7 +97,7 @@ def _centroid_update_kernel(
             in_row = tl.cumsum(mine, 1)
             row_count = tl.sum(mine, 1)
             before_row = tl.cumsum(row_count, 0) - row_count
-            # A member is its token and its centroid's place in the block, in one int32 (N < 2^26, checked).
+            # A member is its token and its centroid's place in the block, in one int32 (N < MAX_TOKENS, checked).
             member = tokens * BLOCK_K + (ids - k0)
             tl.store(members_row + (members + before_row[:, None] + in_row - 1), member, mask=mine != 0)
             members += tl.sum(row_count, 0)
