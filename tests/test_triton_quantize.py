@@ -22,6 +22,7 @@ VARIANTS = {
     "coarse-scale-search": dq.QVGConfig(num_centroids=4, scale_search="mse-coarse"),
     "int4-fp16scales-bf16-2stages": dq.QVGConfig(bits=4, num_centroids=4, stages=2, centroid_dtype="bfloat16", scale_dtype="fp16"),
     "asym-int2-headscale": dq.QVGConfig(symmetric=False, num_centroids=3, centroid_scale="head", group_size=16),
+    "trits-groups-of-4-2stages": dq.QVGConfig(num_centroids=3, group_size=4, stages=2),  # tl.sum's squares
     "asym-int4-fp16-no-stages": dq.QVGConfig(symmetric=False, bits=4, scale_dtype="fp16", stages=0, group_size=32),
     "official": dq.QVGConfig.official().with_(num_centroids=4),
     "fp32-centroids-int16-ids": dq.QVGConfig(

@@ -172,6 +172,12 @@ def problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN: tl.
     offsets from it stay int32 (``N * s_x_t < 2^31``, checked on the host): one 64-bit base per program, not
     one address per element."""
     item, b, h = problem_of(p, heads, batch)
+    return item_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
+
+
+@triton.jit
+def item_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN: tl.constexpr):
+    """:func:`problem_points` for a program that already knows its problem's (item, b, h)."""
     return x_ptr + tl.multiple_of(item_value(items_ptr, item, X) + b * s_x_b + h * s_x_h, X_ALIGN)
 
 

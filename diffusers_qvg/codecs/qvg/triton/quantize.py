@@ -51,9 +51,9 @@ from ..format import QVGPacked
 from . import INTERPRETING, as_bits, centroid_scale_operand
 from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_scale, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
-from .problems import exact_dot, item_value, problem_of, problem_points, stage_points
+from .problems import exact_dot, item_points, item_value, stage_points
 
-BLOCK_TOKENS = {True: 32, False: 16}  # tokens per program: ternary codes (division-free) / others
+BLOCK_TOKENS = {True: 64, False: 16}  # tokens per program: ternary codes (division-free) / others
 
 
 @triton.jit
@@ -73,16 +73,46 @@ def group_needs(r, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr
 
 
 @triton.jit
+def _sum_of_squares(d, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr):
+    """Per group, the sum of ``d^2`` over its ``GROUP`` elements ([BLOCK, G_PAD, GROUP] -> [BLOCK, G_PAD]): each
+    run of eight neighbours (one thread's vector) chained in fused multiply-adds, then ``tl.sum`` over the runs.
+    ``tl.sum`` alone adds pairwise, 1.5 instructions per element against 1 for the chain; only the order of
+    the float32 additions differs. Groups under eight channels take ``tl.sum``."""
+    if GROUP < 8:
+        return tl.sum(d * d, axis=2)
+    d = tl.reshape(d, (BLOCK, G_PAD, GROUP // 8, 2, 2, 2))
+    even, odd = tl.split(d)
+    e0, e1 = tl.split(even)
+    o0, o1 = tl.split(odd)
+    v0, v4 = tl.split(e0)
+    v2, v6 = tl.split(e1)
+    v1, v5 = tl.split(o0)
+    v3, v7 = tl.split(o1)
+    acc = v0 * v0
+    acc = acc + v1 * v1
+    acc = acc + v2 * v2
+    acc = acc + v3 * v3
+    acc = acc + v4 * v4
+    acc = acc + v5 * v5
+    acc = acc + v6 * v6
+    acc = acc + v7 * v7
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
 def _scale(
-    alpha, extent, inv_shift, QMAX: tl.constexpr, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr,
+    alpha, shifted_extent, QMAX: tl.constexpr, FMT_MAX: tl.constexpr, MANTISSA: tl.constexpr,
     MIN_EXPONENT: tl.constexpr, SYMMETRIC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    """The candidate scale ``fmt(clamp(alpha * extent / qmax / shift, 0, fmt_max))``, as float32. A symmetric
-    extent is ``max |r| >= 0`` (or NaN), so only the upper clamp can act and the sign needs no handling."""
-    v = alpha * extent
+    """The candidate scale ``fmt(clamp(alpha * extent / qmax / shift, 0, fmt_max))``, as float32, from
+    ``shifted_extent = extent / shift`` (taken once per group, not per candidate). The shift is a power of two,
+    so dividing by it first is exact and gives the same float32 except where the quotient falls below the
+    float32 normals, a value every scale format rounds to 0 either way (and the shift keeps ``extent / shift``
+    within a small multiple of ``fmt_max``: nothing overflows). A symmetric extent is ``max |r| >= 0`` (or NaN), so only the
+    upper clamp can act and the sign needs no handling."""
+    v = alpha * shifted_extent
     if QMAX != 1:
         v = tl.math.div_rn(v, QMAX + 0.0)
-    v = v * inv_shift
     if SYMMETRIC:
         return round_scale(v, FMT_MAX, MANTISSA == 3, INTERPRET)
     else:
@@ -132,13 +162,17 @@ def _residual_codes_kernel(
     PER_CENTROID: tl.constexpr, GATED: tl.constexpr,
     BLOCK: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p = tl.program_id(1).to(tl.int64)
-    item, b, h = problem_of(p, heads, batch)
+    # A 3-D grid (token blocks, heads, items x batch): one integer division per program instead of three.
+    h = tl.program_id(1)
+    ib = tl.program_id(2)
+    item = ib // batch
+    b = ib - item * batch
+    p = ib.to(tl.int64) * heads + h
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = tokens < n_points
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    x_row = item_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     r = stage_points(
         x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
         p, tokens, row_mask, cols, col_mask, STAGES, D, CENT_SCALED, PER_CENTROID,
@@ -163,11 +197,12 @@ def _residual_codes_kernel(
         zero_f = zero * shift
         extent = hi - zero_f
     a = tl.abs(g)
+    shifted_extent = extent * inv_shift
 
     best_err = tl.zeros_like(hi)
     best_s = tl.zeros_like(hi)
     for j in tl.static_range(CANDIDATES):
-        s = _scale(tl.load(alpha_ptr + j), extent, inv_shift, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT, SYMMETRIC, INTERPRET)
+        s = _scale(tl.load(alpha_ptr + j), shifted_extent, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT, SYMMETRIC, INTERPRET)
         step = (s * shift)[:, :, None]
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
             diff = tl.minimum(a, tl.abs(a - step))
@@ -177,7 +212,7 @@ def _residual_codes_kernel(
                 diff = g - q * step
             else:
                 diff = g - (q * step + zero_f[:, :, None])
-        err = tl.sum(diff * diff, axis=2)
+        err = _sum_of_squares(diff, BLOCK, G_PAD, GROUP)
         if j == 0:
             best_err, best_s = err, s
         else:
@@ -250,24 +285,23 @@ def _store_tables(
     D: tl.constexpr, D_PAD: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
     """Copy problem ``p``'s stage tables (stored bits) and their scales from the scratch into the slot: the
-    token programs share the rows (row ``j`` of the ``STAGES * K`` goes to program ``j mod programs``), so
-    every program runs the same code."""
+    token programs share each stage's rows (row ``k`` goes to program ``k mod programs``), so every program
+    runs the same code; the stages are unrolled, so no row index is divided."""
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
     cent_row = scent_ptr + item_value(items_ptr, item, CENT) + slot * s_cent_slot + b * s_cent_b + h * s_cent_h
     cscale_at = item_value(items_ptr, item, CSCALE) + slot * s_cscale_slot + b * s_cscale_b + h * s_cscale_h
-    for row in range(tl.program_id(0), STAGES * n_centroids, tl.num_programs(0)):
-        t = row // n_centroids
-        k = row % n_centroids
+    for t in tl.static_range(STAGES):
         table = (t * n_problems + p) * n_centroids
-        bits = tl.load(tbits_ptr + (table + k) * D + cols, mask=_gated(col_mask, ok))
-        tl.store(cent_row + t * s_cent_stage + k * s_cent_k + cols * s_cent_d, bits, mask=_gated(col_mask, ok))
-        if CENT_SCALED:
-            if PER_CENTROID:
-                scale = tl.load(tscales_ptr + table + k)
-            else:
-                scale = tl.load(tscales_ptr + t * n_problems + p)
-            tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + k * s_cscale_k, scale, mask=ok)
+        for k in range(tl.program_id(0), n_centroids, tl.num_programs(0)):
+            bits = tl.load(tbits_ptr + (table + k) * D + cols, mask=_gated(col_mask, ok))
+            tl.store(cent_row + t * s_cent_stage + k * s_cent_k + cols * s_cent_d, bits, mask=_gated(col_mask, ok))
+            if CENT_SCALED:
+                if PER_CENTROID:
+                    scale = tl.load(tscales_ptr + table + k)
+                else:
+                    scale = tl.load(tscales_ptr + t * n_problems + p)
+                tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + k * s_cscale_k, scale, mask=ok)
 
 
 def bytes_pad(cfg) -> int:
@@ -307,7 +341,7 @@ def launch_codes(
     zeros = storage.zeros if storage.zeros is not None else storage.scales
     D = pr.head_dim
     block = BLOCK_TOKENS[cfg.symmetric and cfg.qmax == 1]
-    _residual_codes_kernel[(triton.cdiv(pr.tokens, block), pr.count)](
+    _residual_codes_kernel[(triton.cdiv(pr.tokens, block), pr.heads, pr.count // pr.heads)](
         *pr.point_args(), pr.need, alphas, allowed if allowed is not None else pr.need, place_values(cfg, pr.x.device),
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
@@ -317,5 +351,5 @@ def launch_codes(
         BYTES_PAD=bytes_pad(cfg), PER_BYTE=5 if cfg.trits else 8 // cfg.bits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
         CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=allowed is not None, BLOCK=block,
-        INTERPRET=INTERPRETING, enable_fp_fusion=True, **pr.flags(),  # see the module docstring
+        INTERPRET=INTERPRETING, enable_fp_fusion=True, maxnreg=128, **pr.flags(),  # see the module docstring
     )  # fmt: skip
