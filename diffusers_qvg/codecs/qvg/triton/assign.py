@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import INTERPRETING, check_runnable
 from .problems import (
-    Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_of, problem_points, stage_inputs,
+    Problems, exact_dot, exact_format, grid_problem, lloyd_operand, points_problems, problem_points, stage_inputs,
     stage_points, stage_rows, working_rows,
 )
 from .quantize import group_needs
@@ -55,12 +55,12 @@ def _assign_kernel(
     NEED: tl.constexpr, CHECK: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p = tl.program_id(1).to(tl.int64)
+    p, item, b, h = grid_problem(heads, batch)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = tokens < n_points
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     points = stage_points(
         x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
         p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
@@ -72,7 +72,6 @@ def _assign_kernel(
             x = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d).to(tl.float32)
         # One NaN-propagating max per element (masked lanes load 0); a NaN found counts as +inf.
         magnitude = tl.reduce(tl.reduce(tl.abs(x), 1, _max_keeping_nan), 0, _max_keeping_nan)
-        item, _, _ = problem_of(p, heads, batch)
         tl.atomic_max(magnitude_ptr + item, tl.where(magnitude != magnitude, float("inf"), magnitude))
     if ASSIGN != "none":
         a = points if POINTS_EXACT else lloyd_operand(points, ROUND)
@@ -168,7 +167,7 @@ def launch_assign(
     group, symmetric, qmax = need if need is not None else (pr.head_dim, True, 1)
     D = pr.head_dim
     block_n, block_k, warps = TILES[mode]
-    _assign_kernel[(triton.cdiv(pr.tokens, block_n), pr.count)](
+    _assign_kernel[pr.grid(triton.cdiv(pr.tokens, block_n))](
         *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, SOURCE=source,
         ROUND=rounding, POINTS_EXACT=points_exact, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from . import INTERPRETING, as_bits
 from .numerics import cast_exact, exponent, f32_to_e4m3, pow2, pow2_at_least, round_to_format
-from .problems import Problems, problem_points, working_rows
+from .problems import Problems, grid_problem, problem_points, working_rows
 
 BLOCK_CENTROIDS = 32
 E4M3_MAX = tl.constexpr(448.0)
@@ -38,14 +38,13 @@ def _centroid_round_kernel(
     OPERANDS: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
     BLOCK_K: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p = tl.program_id(0).to(tl.int64)
+    p, item, b, h = grid_problem(heads, batch)
     tl.store(need_ptr + p, 0.0)  # the final assignment folds the head's scale need into it
-    first = (p % (heads * batch)) == 0
-    tl.store(magnitude_ptr + p // (heads * batch), 0.0, mask=first)  # and each item's magnitude
+    tl.store(magnitude_ptr + item, 0.0, mask=(b == 0) & (h == 0))  # and each item's magnitude
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
     table = (STAGE * n_problems + p) * n_centroids
-    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     if E4M3 and not PER_CENTROID:
         amax = tl.zeros([BLOCK_K], tl.float32)
         for k0 in range(0, n_centroids, BLOCK_K):
@@ -94,7 +93,7 @@ def launch_round(problems: Problems, stage: int, *, from_points: bool = False, o
     pr = problems
     e4m3 = pr.tables.dtype == torch.float8_e4m3fn
     D = pr.head_dim
-    _centroid_round_kernel[(pr.count,)](
+    _centroid_round_kernel[pr.grid(1)](
         *pr.point_args(), pr.working, *pr.working.stride(), as_bits(pr.tables), pr.need, pr.magnitude,
         pr.operands, pr.norms,
         D=D, D_PAD=triton.next_power_of_2(D), STAGE=stage, FROM_POINTS=from_points, E4M3=e4m3, OPERANDS=operands,

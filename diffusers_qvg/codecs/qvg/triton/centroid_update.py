@@ -35,7 +35,7 @@ from . import INTERPRETING, check_runnable
 from .assign import launch_assign
 from .numerics import round_to_bf16
 from .problems import (
-    MAX_TOKENS, Problems, exact_dot, exact_format, lloyd_operand, points_problems, problem_points, stage_inputs,
+    MAX_TOKENS, Problems, exact_dot, exact_format, grid_problem, lloyd_operand, points_problems, problem_points, stage_inputs,
     stage_points, working_rows,
 )
 
@@ -73,13 +73,13 @@ def _centroid_update_kernel(
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_SCAN: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p = tl.program_id(1).to(tl.int64)
+    p, item, b, h = grid_problem(heads, batch)
     k0 = tl.program_id(0) * BLOCK_K
     ks = k0 + tl.arange(0, BLOCK_K)
     k_mask = ks < n_centroids
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    x_row = problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN)
+    x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     if not INIT:
         ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
         # The tokens whose id is one of this program's centroids, into its own scratch row, in scan order: a
@@ -145,7 +145,7 @@ def launch_update(problems: Problems, stage: int, *, init: bool = False, operand
     exact = exact_format(pr.x.dtype) if stage == 0 else None
     D = pr.head_dim
     blocks = triton.cdiv(pr.centroids, BLOCK_CENTROIDS)
-    _centroid_update_kernel[(blocks, pr.count)](
+    _centroid_update_kernel[pr.grid(blocks)](
         *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.member_rows(blocks),
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, INIT=init,
         OPERANDS=operands is not None, PRECISION=operands or "tf32x3",

@@ -73,6 +73,10 @@ class Problems:
     def count(self) -> int:
         return self.num_items * self.batch * self.heads
 
+    def grid(self, blocks: int) -> tuple[int, int, int]:
+        """A launch grid of ``blocks`` programs per problem (:func:`grid_problem` reads it)."""
+        return blocks, self.heads, self.num_items * self.batch
+
     def point_args(self) -> tuple:
         """The arguments every encoder kernel starts with (see :func:`stage_points`)."""
         return (
@@ -155,10 +159,14 @@ def points_problems(x: torch.Tensor, num_centroids: int, precision: str = "tf32x
 
 
 @triton.jit
-def problem_of(p, heads, batch):
-    """(item, b, h) of problem ``p``: problems are item-major, then batch, then head."""
-    per_item = heads * batch
-    return p // per_item, (p % per_item) // heads, p % heads
+def grid_problem(heads, batch):
+    """(p, item, b, h) of this program on a problem grid (:meth:`Problems.grid`: axis 1 the head, axis 2 the
+    item and batch row; problems are item-major, then batch, then head), with ``p`` int64: one integer
+    division per program, where splitting a flat problem index takes three."""
+    h = tl.program_id(1)
+    ib = tl.program_id(2)
+    item = ib // batch
+    return ib.to(tl.int64) * heads + h, item, ib - item * batch, h
 
 
 @triton.jit
@@ -167,17 +175,10 @@ def item_value(items_ptr, item, COLUMN: tl.constexpr):
 
 
 @triton.jit
-def problem_points(x_ptr, items_ptr, p, heads, batch, s_x_b, s_x_h, X_ALIGN: tl.constexpr):
-    """Pointer to problem ``p``'s first point (int64 ``p``), aligned to ``X_ALIGN`` elements. Per-element
+def problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN: tl.constexpr):
+    """Pointer to the first point of problem (item, b, h), aligned to ``X_ALIGN`` elements. Per-element
     offsets from it stay int32 (``N * s_x_t < 2^31``, checked on the host): one 64-bit base per program, not
     one address per element."""
-    item, b, h = problem_of(p, heads, batch)
-    return item_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
-
-
-@triton.jit
-def item_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN: tl.constexpr):
-    """:func:`problem_points` for a program that already knows its problem's (item, b, h)."""
     return x_ptr + tl.multiple_of(item_value(items_ptr, item, X) + b * s_x_b + h * s_x_h, X_ALIGN)
 
 

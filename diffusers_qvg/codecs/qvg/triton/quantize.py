@@ -51,7 +51,7 @@ from ..format import QVGPacked
 from . import INTERPRETING, as_bits, centroid_scale_operand
 from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_scale, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
-from .problems import exact_dot, item_points, item_value, stage_points
+from .problems import exact_dot, grid_problem, item_value, problem_points, stage_points
 
 BLOCK_TOKENS = {True: 64, False: 16}  # tokens per program: ternary codes (division-free) / others
 
@@ -162,17 +162,12 @@ def _residual_codes_kernel(
     PER_CENTROID: tl.constexpr, GATED: tl.constexpr,
     BLOCK: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    # A 3-D grid (token blocks, heads, items x batch): one integer division per program instead of three.
-    h = tl.program_id(1)
-    ib = tl.program_id(2)
-    item = ib // batch
-    b = ib - item * batch
-    p = ib.to(tl.int64) * heads + h
+    p, item, b, h = grid_problem(heads, batch)
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = tokens < n_points
     cols = tl.arange(0, D_PAD)
     col_mask = cols < D
-    x_row = item_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
+    x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     r = stage_points(
         x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
         p, tokens, row_mask, cols, col_mask, STAGES, D, CENT_SCALED, PER_CENTROID,
@@ -341,7 +336,7 @@ def launch_codes(
     zeros = storage.zeros if storage.zeros is not None else storage.scales
     D = pr.head_dim
     block = BLOCK_TOKENS[cfg.symmetric and cfg.qmax == 1]
-    _residual_codes_kernel[(triton.cdiv(pr.tokens, block), pr.heads, pr.count // pr.heads)](
+    _residual_codes_kernel[pr.grid(triton.cdiv(pr.tokens, block))](
         *pr.point_args(), pr.need, alphas, allowed if allowed is not None else pr.need, place_values(cfg, pr.x.device),
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
