@@ -285,3 +285,13 @@ def test_segments_too_long_for_the_update_members_are_refused():
     with pytest.raises(ValueError, match=f"{MAX_TOKENS} tokens is too long"):
         points_problems(x, 2)
     points_problems(x[:, : MAX_TOKENS - 1], 2)  # accepted
+
+
+def test_problem_sets_too_wide_for_the_launch_grid_are_refused():
+    """The kernels' grid holds the items x batch rows on its third axis, which CUDA caps at 65,535."""
+    from diffusers_qvg.codecs.qvg.triton.problems import GRID_AXIS, points_problems
+
+    x = torch.empty(GRID_AXIS + 1, 4, 8, device="meta")  # P problems are P batch rows of one item
+    with pytest.raises(ValueError, match=f"{GRID_AXIS + 1} rows.*at most {GRID_AXIS}"):
+        points_problems(x, 2)
+    points_problems(x[:GRID_AXIS], 2)  # accepted

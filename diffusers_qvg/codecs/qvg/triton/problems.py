@@ -28,6 +28,7 @@ from .numerics import round_to_bf16, round_to_tf32
 # Columns of the item table.
 X, CODES, SCALES, ZEROS, IDS, CENT, CSCALE, SHIFT, TOKEN_START, SLOT = (tl.constexpr(i) for i in range(10))
 COLUMNS = tl.constexpr(10)
+GRID_AXIS = 65535  # the most programs a CUDA grid's second and third axes take
 # Tokens per problem below which the centroid update's int32 members (token x 32 + centroid in its block) fit.
 MAX_TOKENS = 2**26
 STORAGE_FIELDS = ("codes", "scales", "zeros", "ids", "centroids", "centroid_scales", "scale_shift")
@@ -87,8 +88,15 @@ class Problems:
     def check_offsets(self) -> None:
         """Per-element offsets in the kernels are int32: a problem's points must span less than 2^31 elements;
         the strided init's ``k * N`` is unsigned 32-bit (:func:`strided_tokens`); the centroid update packs a
-        member's token and its place in a block of centroids into one int32 (``N < MAX_TOKENS``)."""
+        member's token and its place in a block of centroids into one int32 (``N < MAX_TOKENS``); the launch
+        grid (:meth:`grid`) holds the heads and the items x batch rows on axes of at most 65,535."""
         N, D = self.tokens, self.head_dim
+        rows = self.num_items * self.batch
+        if self.heads > GRID_AXIS or rows > GRID_AXIS:
+            raise ValueError(
+                f"{self.num_items} items x batch {self.batch} ({rows} rows) of {self.heads} heads: the Triton "
+                f"encoder's launch grid takes at most {GRID_AXIS} of each: write fewer items or batch rows at once"
+            )
         if N >= MAX_TOKENS:
             raise ValueError(
                 f"a segment of {N} tokens is too long for the Triton encoder (at most {MAX_TOKENS - 1} per "

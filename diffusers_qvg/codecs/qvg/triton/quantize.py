@@ -53,7 +53,11 @@ from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, r
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
 from .problems import exact_dot, grid_problem, item_value, problem_points, stage_points
 
-BLOCK_TOKENS = {True: 64, False: 16}  # tokens per program: ternary codes (division-free) / others
+# Tokens per program: ternary codes (division-free) / others. 64 ternary tokens pay each program's fixed work
+# over twice the tokens of 32, under a 128-register cap (4 CTAs of 4 warps per SM; docs/benchmarks.md, "The
+# codes kernel at 64 tokens per program").
+BLOCK_TOKENS = {True: 64, False: 16}
+MAX_REGISTERS = 128
 
 
 @triton.jit
@@ -75,7 +79,8 @@ def group_needs(r, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr
 @triton.jit
 def _sum_of_squares(d, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr):
     """Per group, the sum of ``d^2`` over its ``GROUP`` elements ([BLOCK, G_PAD, GROUP] -> [BLOCK, G_PAD]): each
-    run of eight neighbours (one thread's vector) chained in fused multiply-adds, then ``tl.sum`` over the runs.
+    run of eight neighbours (one thread's vector in the layout of the load) chained in fused multiply-adds,
+    then ``tl.sum`` over the runs.
     ``tl.sum`` alone adds pairwise, 1.5 instructions per element against 1 for the chain; only the order of
     the float32 additions differs. Groups under eight channels take ``tl.sum``."""
     if GROUP < 8:
@@ -105,11 +110,11 @@ def _scale(
     MIN_EXPONENT: tl.constexpr, SYMMETRIC: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """The candidate scale ``fmt(clamp(alpha * extent / qmax / shift, 0, fmt_max))``, as float32, from
-    ``shifted_extent = extent / shift`` (taken once per group, not per candidate). The shift is a power of two,
-    so dividing by it first is exact and gives the same float32 except where the quotient falls below the
-    float32 normals, a value every scale format rounds to 0 either way (and the shift keeps ``extent / shift``
-    within a small multiple of ``fmt_max``: nothing overflows). A symmetric extent is ``max |r| >= 0`` (or NaN), so only the
-    upper clamp can act and the sign needs no handling."""
+    ``shifted_extent = extent / shift`` (taken once per group, not per candidate). The shift is a power of
+    two, so dividing by it first is exact and gives the same float32 except where the quotient falls below
+    the float32 normals, a value every scale format rounds to 0 either way (and the shift keeps ``extent /
+    shift`` within a small multiple of ``fmt_max``: nothing overflows). A symmetric extent is ``max |r| >= 0``
+    (or NaN), so only the upper clamp can act and the sign needs no handling."""
     v = alpha * shifted_extent
     if QMAX != 1:
         v = tl.math.div_rn(v, QMAX + 0.0)
@@ -346,5 +351,5 @@ def launch_codes(
         BYTES_PAD=bytes_pad(cfg), PER_BYTE=5 if cfg.trits else 8 // cfg.bits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
         CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=allowed is not None, BLOCK=block,
-        INTERPRET=INTERPRETING, enable_fp_fusion=True, maxnreg=128, **pr.flags(),  # see the module docstring
+        INTERPRET=INTERPRETING, enable_fp_fusion=True, maxnreg=MAX_REGISTERS, **pr.flags(),  # see the module docstring
     )  # fmt: skip
