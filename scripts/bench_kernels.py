@@ -101,6 +101,19 @@ class Table:
             self.add(section, name, self.timer(fn), **fields)
 
 
+@contextmanager
+def ternary_codes_tile(tokens: int | None) -> Iterator[None]:
+    """The codes kernel at ``tokens`` ternary tokens per program while the block runs (None: as shipped)."""
+    from diffusers_qvg.codecs.qvg.triton import quantize
+
+    shipped = quantize.BLOCK_TOKENS[True]
+    quantize.BLOCK_TOKENS[True] = tokens or shipped
+    try:
+        yield
+    finally:
+        quantize.BLOCK_TOKENS[True] = shipped
+
+
 def official_quantize(x: torch.Tensor) -> tuple[Callable[[], object] | None, str]:
     """quant-videogen's K+V compression of ``x`` (used as both K and V), or why it cannot run."""
     try:
@@ -199,17 +212,25 @@ def main(argv: list[str] | None = None) -> None:
                        note="the same writes one by one")
             # The clean pass's call at the cache's default CacheConfig.encode_layers=3: a chunk is 10 of these at
             # 30 layers (issue 8's <= 3 ms per chunk); then the measured codec levers (docs/benchmarks.md).
-            levers = {"": config}
+            # The last row is the codes kernel's losing tile by the sm_90 estimate (32 ternary tokens per program
+            # against 64: docs/benchmarks.md, "The codes kernel at 64 tokens per program"), for a GPU to settle.
+            levers = {"": (config, None)}
             if name == "qvg-int2" and not args.small:  # the same call, other configs (seconds in the interpreter)
-                levers |= {", kmeans_iters=4": config.with_(kmeans_iters=4), ", kmeans_iters=3": config.with_(kmeans_iters=3),
-                           ", scale_search='mse-coarse'": config.with_(scale_search="mse-coarse")}
-            for lever, c in levers.items():
+                levers |= {", kmeans_iters=4": (config.with_(kmeans_iters=4), None),
+                           ", kmeans_iters=3": (config.with_(kmeans_iters=3), None),
+                           ", scale_search='mse-coarse'": (config.with_(scale_search="mse-coarse"), None),
+                           ", codes kernel at 32 tokens per program": (config, 32)}
+            for lever, (c, codes_tokens) in levers.items():
                 group = [c.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype,
                                     device=device) for _ in range(6)]
                 writes = [(st, t, 0, 0) for st, t in zip(group, (x, v) * 3)]
+
+                def group_write(c=c, writes=writes, codes_tokens=codes_tokens):
+                    with ternary_codes_tile(codes_tokens):
+                        c.quantize_batch_into(writes, status=status)
+
                 table.time("quantize", f"{name}{lever}: a layer group's K and V (3 layers), one quantize_batch_into call (ours)",
-                           lambda c=c, writes=writes: c.quantize_batch_into(writes, status=status),
-                           note="the clean pass's call per group of 3 layers: x 10 per chunk at 30 layers")
+                           group_write, note="the clean pass's call per group of 3 layers: x 10 per chunk at 30 layers")
             storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
             config.quantize_into(storage, x, token_start=0, slot=0)  # ids and centroids for the residual kernels
             alphas = scale_fractions(config.scale_search, device)

@@ -65,6 +65,17 @@ def test_every_variant_gives_the_reference_codes_and_scales(name):
     assert_same_bytes(expected, ours)
 
 
+@pytest.mark.parametrize("tokens", [32, 64])
+def test_the_codes_kernel_tile_does_not_change_the_bytes(tokens, monkeypatch):
+    """Ternary codes at 64 tokens per program (shipped) and at 32 (bench_kernels's comparison row), over
+    several programs per problem: the reference's bytes either way."""
+    from diffusers_qvg.codecs.qvg.triton import quantize
+
+    monkeypatch.setitem(quantize.BLOCK_TOKENS, True, tokens)
+    expected, ours = reference_then_kernel(VARIANTS["default"], chunk(N=150, H=2))
+    assert_same_bytes(expected, ours)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_input_dtypes(dtype):
     expected, ours = reference_then_kernel(VARIANTS["default"], chunk(dtype=dtype))
