@@ -72,11 +72,16 @@ class Problems:
 
     @property
     def count(self) -> int:
-        return self.num_items * self.batch * self.heads
+        return self.batch_rows * self.heads
+
+    @property
+    def batch_rows(self) -> int:
+        """Items x batch: the launch grid's third axis."""
+        return self.num_items * self.batch
 
     def grid(self, blocks: int) -> tuple[int, int, int]:
         """A launch grid of ``blocks`` programs per problem (:func:`grid_problem` reads it)."""
-        return blocks, self.heads, self.num_items * self.batch
+        return blocks, self.heads, self.batch_rows
 
     def point_args(self) -> tuple:
         """The arguments every encoder kernel starts with (see :func:`stage_points`)."""
@@ -91,11 +96,11 @@ class Problems:
         member's token and its place in a block of centroids into one int32 (``N < MAX_TOKENS``); the launch
         grid (:meth:`grid`) holds the heads and the items x batch rows on axes of at most 65,535."""
         N, D = self.tokens, self.head_dim
-        rows = self.num_items * self.batch
-        if self.heads > GRID_AXIS or rows > GRID_AXIS:
+        if self.heads > GRID_AXIS or self.batch_rows > GRID_AXIS:
             raise ValueError(
-                f"{self.num_items} items x batch {self.batch} ({rows} rows) of {self.heads} heads: the Triton "
-                f"encoder's launch grid takes at most {GRID_AXIS} of each: write fewer items or batch rows at once"
+                f"{self.num_items} items x batch {self.batch} ({self.batch_rows} rows) of {self.heads} heads: the "
+                f"Triton encoder's launch grid takes at most {GRID_AXIS} of each: write fewer items or batch rows "
+                "at once"
             )
         if N >= MAX_TOKENS:
             raise ValueError(
