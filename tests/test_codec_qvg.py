@@ -160,6 +160,16 @@ def test_hand_checked_ternary_group():
     assert c.u.flatten().tolist() == [2, 1, 1, 1]
 
 
+def test_asymmetric_zero_extremes_are_positive_zero():
+    # Groups of signed zeros: which zero a min or max returns depends on its order, so the stored zero and
+    # scale would carry an order-dependent sign bit; they are +0.0 (byte 0), whatever the signs in the group.
+    r = torch.tensor([[-0.0, 0.0, -0.0, 0.0], [-0.0, -0.0, -0.0, -0.0], [0.0, -0.0, 1.0, 2.0]]).view(1, 3, 1, 1, 4)
+    for fmt in (torch.float8_e4m3fn, torch.float16):
+        c = quantize_groups(r, bits=2, symmetric=False, fmt=fmt, search="mse")
+        assert c.zeros.flatten().view(torch.uint8).view(-1, fmt.itemsize)[:, -1].tolist() == [0, 0, 0]
+        assert c.scales.flatten()[:2].view(torch.uint8).view(-1, fmt.itemsize)[:, -1].tolist() == [0, 0]
+
+
 def test_pow2_at_least_is_exact():
     v = torch.tensor([0.0, 1.0, 3.0, 4.0, 4.0001, 1e-40, 1e30])
     expected = [1.0, 1.0, 4.0, 4.0, 8.0, 2.0**-126, 2.0**100]

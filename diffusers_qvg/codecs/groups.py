@@ -60,7 +60,7 @@ def quantize_groups(
     Symmetric codes are ``q in [-qmax, qmax]`` with ``qmax = 2^(bits-1) - 1`` (INT2: ternary), decoded as
     ``q * step``; asymmetric codes are ``q in [0, 2^bits - 1]``, decoded as ``q * step + zero``. In order:
 
-    - extent: symmetric ``a = max|r|``; asymmetric ``lo, hi = min r, max r`` per group;
+    - extent: symmetric ``a = max|r|``; asymmetric ``lo, hi = min r + 0, max r + 0`` per group (``+ 0``: +0.0, never -0.0);
     - ``shift = pow2_at_least(A / fmt_max)`` per (batch, head), ``A`` the head's largest ``a / qmax``
       (asymmetric: of ``max((hi - lo) / qmax, |lo|)``), so that no scale or zero saturates;
     - asymmetric: ``zero = fmt(lo / shift)``, ``zf = float(zero) * shift``, and the extent becomes ``hi - zf``;
@@ -77,7 +77,9 @@ def quantize_groups(
         extent = r.abs().amax(-1)  # the absmax a
         head_max = (extent / qmax).amax(dim=(1, 3))
     else:
-        lo, hi = r.amin(-1), r.amax(-1)
+        # + 0.0 turns a -0.0 extreme into +0.0: which zero a min or max of +-0 returns depends on its order,
+        # which differs between backends and kernels, and so would a stored sign bit (never a value).
+        lo, hi = r.amin(-1) + 0.0, r.amax(-1) + 0.0
         head_max = torch.maximum((hi - lo) / qmax, lo.abs()).amax(dim=(1, 3))
     shift = pow2_at_least(head_max / fmt_max)
     sh = shift[:, None, :, None]  # broadcast over tokens and groups
