@@ -182,8 +182,8 @@ def meta_writes(config, items: int, tokens: int, capacity: int = 9360, slot: int
 def residual_quantizer_compiles() -> None:
     """The codes kernel at a real launch (a layer's K and V of a Self-Forcing chunk, qvg-int2, checked
     writes; then a single unchecked write, and INT4 asymmetric fp16-scale codes): no spills, no per-element
-    division in ternary codes (only the shift's), their scale candidates rounded by the conversion
-    instruction, IEEE division elsewhere."""
+    division in ternary codes (only the shift's) and no shuffle (a thread per group), their scale candidates
+    rounded by the conversion instruction, IEEE division elsewhere."""
     import diffusers_qvg as dq
     from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into, scale_fractions
     from diffusers_qvg.codecs.qvg.triton.quantize import _residual_codes_kernel
@@ -205,6 +205,8 @@ def residual_quantizer_compiles() -> None:
         assert_ieee_division(kernel.asm["ptx"])
     ternary, int4_codes = codes[0].asm["ptx"], codes[2].asm["ptx"]
     assert len(re.findall(r"div\.rn\.f32", ternary)) <= 1, "ternary codes divide per element"  # the shift's
+    # A thread holds whole groups (quantize.arrangement): the candidates' group sums take no shuffle.
+    assert "shfl.sync" not in ternary, "a ternary group spans threads: the residual's axes do not match this Triton"
     # The e4m3 scale candidates round by the conversion instruction (numerics.round_scale), not bit arithmetic.
     assert "cvt.rn.satfinite.e4m3x2.f32" in ternary
     assert len(re.findall(r"div\.rn\.f32", int4_codes)) > 1  # the general path keeps the reference's divisions

@@ -76,6 +76,20 @@ def test_the_codes_kernel_tile_does_not_change_the_bytes(tokens, monkeypatch):
     assert_same_bytes(expected, ours)
 
 
+@pytest.mark.parametrize("ties_in_axis_order", [True, False])
+@pytest.mark.parametrize("name", ["default", "asym-int2-headscale"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_both_arrangements_give_the_reference_bytes(name, head_dim, ties_in_axis_order, monkeypatch):
+    """The codes kernel's residual axes follow how the installed Triton hands out threads (3.6 and 3.9
+    differ, ``quantize.arrangement``); the interpreter runs one Triton, so both orders are run here, with a
+    thread per group (head_dim 128: 64 ternary tokens x 2 groups, or 16 tokens x 8 groups of 16) and with
+    groups spread over threads (head_dim 64)."""
+    from diffusers_qvg.codecs.qvg.triton import quantize
+
+    monkeypatch.setattr(quantize, "TIES_IN_AXIS_ORDER", ties_in_axis_order)
+    assert_same_bytes(*reference_then_kernel(VARIANTS[name], chunk(N=150, H=2, D=head_dim)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_input_dtypes(dtype):
     expected, ours = reference_then_kernel(VARIANTS["default"], chunk(dtype=dtype))

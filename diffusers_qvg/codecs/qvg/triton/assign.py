@@ -30,8 +30,8 @@ import triton.language as tl
 
 from . import INTERPRETING, check_runnable
 from .problems import (
-    Problems, exact_dot, exact_format, grid_problem, lloyd_operand, points_problems, problem_points, stage_inputs,
-    stage_points, stage_rows, working_rows,
+    Problems, exact_dot, exact_format, grid_problem, lloyd_operand, operand_rows, points_problems, problem_points,
+    stage_inputs, stage_points, stage_rows, working_rows,
 )
 from .quantize import group_needs
 
@@ -58,18 +58,18 @@ def _assign_kernel(
     p, item, b, h = grid_problem(heads, batch)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = tokens < n_points
-    cols = tl.arange(0, D_PAD)
+    cols = tl.arange(0, D_PAD)[None, :]
     col_mask = cols < D
     x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     points = stage_points(
         x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-        p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
+        p, tokens[:, None], row_mask[:, None], cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
     )
     if CHECK:  # the write check: the item's largest |x|, +inf if any value is NaN or Inf
         if STAGE == 0:
             x = points
         else:
-            x = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d).to(tl.float32)
+            x = stage_inputs(x_row, tokens[:, None], row_mask[:, None], cols, col_mask, s_x_t, s_x_d).to(tl.float32)
         # One NaN-propagating max per element (masked lanes load 0); a NaN found counts as +inf.
         magnitude = tl.reduce(tl.reduce(tl.abs(x), 1, _max_keeping_nan), 0, _max_keeping_nan)
         tl.atomic_max(magnitude_ptr + item, tl.where(magnitude != magnitude, float("inf"), magnitude))
@@ -84,21 +84,21 @@ def _assign_kernel(
             else:
                 k_mask = ks < n_centroids
             if SOURCE == "operands":  # the update (or, final, the rounding) kernel left them, with their norms
-                offsets = (ks * D)[:, None] + cols[None, :]
-                c = tl.load(op_ptr + p * n_centroids * D + offsets, mask=k_mask[:, None] & col_mask[None, :], other=0)
+                offsets = (ks * D)[:, None] + cols
+                c = tl.load(op_ptr + p * n_centroids * D + offsets, mask=k_mask[:, None] & col_mask, other=0)
                 if FORMAT != "bf16":  # bf16 operands of a final assignment in TF32 (exact either way)
                     c = c.to(tl.float32)
                 norms = tl.load(norm_ptr + p * n_centroids + ks, mask=k_mask, other=0)
             elif ASSIGN == "final":
                 c = stage_rows(
-                    tables_ptr, tscales_ptr, STAGE, p, ks, k_mask, cols, col_mask, n_centroids, n_problems,
+                    tables_ptr, tscales_ptr, STAGE, p, ks[:, None], k_mask[:, None], cols, col_mask, n_centroids, n_problems,
                     D, CENT_SCALED, PER_CENTROID,
                 )
                 norms = tl.sum(c * c, axis=1)
             else:
                 c = working_rows(
                     x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-                    cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask,
+                    cent_ptr, s_c_p, s_c_k, s_c_d, p, ks[:, None], k_mask[:, None], cols, col_mask,
                     STAGE, False, D, CENT_SCALED, PER_CENTROID,
                 )
                 c = lloyd_operand(c, ROUND)
@@ -117,18 +117,16 @@ def _assign_kernel(
         best_id = tl.minimum(best_id, n_centroids - 1)
         tl.store(ids_ptr + (STAGE * n_problems + p) * n_points + tokens, best_id, mask=row_mask)
         if NEED and ASSIGN == "final" and SOURCE == "operands":  # the decoded table, exactly: no decode, no scale
-            rows = row_mask[:, None] & col_mask[None, :]
-            points = points - tl.load(
-                op_ptr + p * n_centroids * D + ((best_id * D)[:, None] + cols[None, :]), mask=rows, other=0
-            ).to(tl.float32)
+            points = points - operand_rows(op_ptr, p, best_id[:, None], row_mask[:, None], cols, col_mask, n_centroids, D)
         elif NEED:
             points = points - stage_rows(
-                tables_ptr, tscales_ptr, STAGE, p, best_id, row_mask, cols, col_mask, n_centroids, n_problems,
+                tables_ptr, tscales_ptr, STAGE, p, best_id[:, None], row_mask[:, None], cols, col_mask, n_centroids,
+                n_problems,
                 D, CENT_SCALED, PER_CENTROID,
             )
     if NEED:
         G_PAD: tl.constexpr = D_PAD // GROUP
-        _, _, need = group_needs(points, BLOCK_N, G_PAD, GROUP, SYMMETRIC, QMAX)
+        _, _, need = group_needs(tl.reshape(points, (1, BLOCK_N, G_PAD, GROUP)), 0, False, SYMMETRIC, QMAX)
         valid = row_mask[:, None] & (tl.arange(0, G_PAD) * GROUP < D)[None, :]
         block_need = tl.max(tl.max(tl.where(valid, need, 0.0), axis=1), axis=0)
         tl.atomic_max(need_ptr + p, block_need)  # of values >= 0: order-independent, so deterministic

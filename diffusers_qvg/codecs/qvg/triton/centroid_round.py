@@ -41,7 +41,7 @@ def _centroid_round_kernel(
     p, item, b, h = grid_problem(heads, batch)
     tl.store(need_ptr + p, 0.0)  # the final assignment folds the head's scale need into it
     tl.store(magnitude_ptr + item, 0.0, mask=(b == 0) & (h == 0))  # and each item's magnitude
-    cols = tl.arange(0, D_PAD)
+    cols = tl.arange(0, D_PAD)[None, :]
     col_mask = cols < D
     table = (STAGE * n_problems + p) * n_centroids
     x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
@@ -51,7 +51,7 @@ def _centroid_round_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             c = working_rows(
                 x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-                cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, ks < n_centroids, cols, col_mask,
+                cent_ptr, s_c_p, s_c_k, s_c_d, p, ks[:, None], (ks < n_centroids)[:, None], cols, col_mask,
                 STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
             )
             amax = tl.maximum(amax, tl.max(tl.abs(c), axis=1))
@@ -62,10 +62,11 @@ def _centroid_round_kernel(
         k_mask = ks < n_centroids
         c = working_rows(
             x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-            cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, FROM_POINTS, D, CENT_SCALED, PER_CENTROID,
+            cent_ptr, s_c_p, s_c_k, s_c_d, p, ks[:, None], k_mask[:, None], cols, col_mask, STAGE, FROM_POINTS, D,
+            CENT_SCALED, PER_CENTROID,
         )
-        rows = table * D + ((ks * D)[:, None] + cols[None, :])
-        mask = k_mask[:, None] & col_mask[None, :]
+        rows = table * D + ((ks * D)[:, None] + cols)
+        mask = k_mask[:, None] & col_mask
         if E4M3:
             if PER_CENTROID:
                 scale = pow2_at_least(tl.math.div_rn(tl.max(tl.abs(c), axis=1), E4M3_MAX))
@@ -82,7 +83,7 @@ def _centroid_round_kernel(
             value = stored.to(tl.float32)
         if OPERANDS:  # the final assignment's operands and norms, once per problem instead of per program
             value = tl.where(mask, value, 0.0)
-            tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols[None, :]), value, mask=mask)
+            tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols), value, mask=mask)
             tl.store(norm_ptr + p * n_centroids + ks, tl.sum(value * value, axis=1), mask=k_mask)
 
 

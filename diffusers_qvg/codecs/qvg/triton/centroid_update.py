@@ -77,7 +77,7 @@ def _centroid_update_kernel(
     k0 = tl.program_id(0) * BLOCK_K
     ks = k0 + tl.arange(0, BLOCK_K)
     k_mask = ks < n_centroids
-    cols = tl.arange(0, D_PAD)
+    cols = tl.arange(0, D_PAD)[None, :]
     col_mask = cols < D
     x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     if not INIT:
@@ -112,28 +112,29 @@ def _centroid_update_kernel(
             hit = (tl.arange(0, BLOCK_K)[:, None] == (member % BLOCK_K).to(tl.int32)[None, :]) & row_mask[None, :]
             hits += hit.to(tl.int32)
             if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
-                points = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d)
+                points = stage_inputs(x_row, tokens[:, None], row_mask[:, None], cols, col_mask, s_x_t, s_x_d)
             else:
                 points = stage_points(
                     x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-                    p, tokens, row_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
+                    p, tokens[:, None], row_mask[:, None], cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
                 )
             sums = _add_members(sums, hit, points, EXACT, INTERPRET)
     # The strided init's points (INIT: they become the working centroids, without an update), or the previous
     # centroids, which an empty cluster keeps; loaded after the member loop, which does not need them live.
     mean = working_rows(
         x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-        cent_ptr, s_c_p, s_c_k, s_c_d, p, ks, k_mask, cols, col_mask, STAGE, INIT, D, CENT_SCALED, PER_CENTROID,
+        cent_ptr, s_c_p, s_c_k, s_c_d, p, ks[:, None], k_mask[:, None], cols, col_mask, STAGE, INIT, D,
+        CENT_SCALED, PER_CENTROID,
     )
     if not INIT:
         count = tl.sum(hits, axis=1)[:, None]
         mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), mean)
-    offsets = (ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]
-    mask = k_mask[:, None] & col_mask[None, :]
+    offsets = (ks * s_c_k)[:, None] + cols * s_c_d
+    mask = k_mask[:, None] & col_mask
     tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=mask)
     if OPERANDS:  # for the next assignment: rounded once here, not by each of its programs
         operand = lloyd_operand(mean, PRECISION)
-        tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols[None, :]), operand, mask=mask)
+        tl.store(op_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols), operand, mask=mask)
         tl.store(norm_ptr + p * n_centroids + ks, tl.sum(operand * operand, axis=1), mask=k_mask)
 
 

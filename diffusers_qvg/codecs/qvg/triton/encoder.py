@@ -84,7 +84,8 @@ def encode(
     if status is not None:
         whats, conditions = zip(*checks)
         allowed = status.check_batch(problems.magnitude, whats, config.max_abs_input, holds, conditions).to(torch.int32)
-    launch_codes(problems, writes[0].storage, scale_fractions(config.scale_search, problems.x.device), allowed)
+    alphas = scale_fractions(config.scale_search, problems.x.device)
+    launch_codes(problems, writes[0].storage, alphas, allowed, held=config.stages > 0 and problems.holds_table)
 
 
 def launch_count(config: QVGConfig) -> int:

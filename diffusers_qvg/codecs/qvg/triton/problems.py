@@ -200,27 +200,39 @@ def stage_rows(
     tables_ptr, tscales_ptr, t, p, ids, row_mask, cols, col_mask, n_centroids, n_problems,
     D: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
-    """Stage ``t``'s decoded table rows ``ids`` (int32) of problem ``p``: ``float(stored) * scale``, float32
-    [BLOCK, D_PAD], 0 where masked (the reference's ``decode_centroids``, exact)."""
+    """Stage ``t``'s decoded table rows ``ids`` (int32) of problem ``p``: ``float(stored) * scale``, float32,
+    0 where masked (the reference's ``decode_centroids``, exact). Like every point helper here it takes its
+    row and column indices (``ids``, ``row_mask``; ``cols``, ``col_mask``) already broadcast to the result's
+    rank: [BLOCK, 1] and [1, D_PAD] for a [BLOCK, D_PAD] tile, or any other arrangement a kernel's
+    reductions want."""
     table = (t * n_problems + p) * n_centroids
-    mask = row_mask[:, None] & col_mask[None, :]
+    mask = row_mask & col_mask
     # No `other=` (it cannot be cast to fp8); masked lanes are zeroed after the widening instead.
-    stored = tl.load(tables_ptr + table * D + ((ids * D)[:, None] + cols[None, :]), mask=mask)
+    stored = tl.load(tables_ptr + table * D + (ids * D + cols), mask=mask)
     rows = tl.where(mask, stored.to(tl.float32), 0.0)
     if CENT_SCALED:
         if PER_CENTROID:
-            rows = rows * tl.load(tscales_ptr + table + ids, mask=row_mask, other=0)[:, None]
+            rows = rows * tl.load(tscales_ptr + table + ids, mask=row_mask, other=0)
         else:
             rows = rows * tl.load(tscales_ptr + t * n_problems + p)
     return rows
 
 
 @triton.jit
+def operand_rows(op_ptr, p, ids, row_mask, cols, col_mask, n_centroids, D: tl.constexpr):
+    """Rows ``ids`` (int32) of problem ``p``'s operand scratch as float32, 0 where masked (indices broadcast as
+    for :func:`stage_rows`): the last stage's decoded table exactly, where the rounding kernel left it there
+    (:attr:`Problems.holds_table`), in bf16 half the bytes of float32 and a cheaper widening than e4m3 times
+    its scale."""
+    rows = tl.load(op_ptr + p * n_centroids * D + (ids * D + cols), mask=row_mask & col_mask, other=0)
+    return rows.to(tl.float32)
+
+
+@triton.jit
 def stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d):
     """Points ``tokens`` of the problem at ``x_row`` (see :func:`problem_points`) at stage 0, in the input's own
-    dtype, 0 where masked."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    return tl.load(x_row + ((tokens * s_x_t)[:, None] + (cols * s_x_d)[None, :]), mask=mask, other=0)
+    dtype, 0 where masked (indices broadcast as for :func:`stage_rows`)."""
+    return tl.load(x_row + (tokens * s_x_t + cols * s_x_d), mask=row_mask & col_mask, other=0)
 
 
 @triton.jit
@@ -230,7 +242,7 @@ def stage_points(
     STAGE: tl.constexpr, D: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
     """Points ``tokens`` of problem ``p`` (int64; its first point at ``x_row``) at stage ``STAGE``: x minus
-    the first STAGE stages' centroids, float32 [BLOCK, D_PAD], 0 where masked."""
+    the first STAGE stages' centroids, float32, 0 where masked (indices broadcast as for :func:`stage_rows`)."""
     r = stage_inputs(x_row, tokens, row_mask, cols, col_mask, s_x_t, s_x_d).to(tl.float32)
     for t in tl.static_range(STAGE):
         ids = tl.load(ids_ptr + (t * n_problems + p) * n_points + tokens, mask=row_mask, other=0)
@@ -256,16 +268,16 @@ def working_rows(
     STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, D: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
 ):
-    """Working centroids ``ks`` of problem ``p`` (float32 [BLOCK_K, D_PAD], 0 where masked): the strided
-    init's points when ``FROM_POINTS`` (the first iteration of a stage), else the working table."""
+    """Working centroids ``ks`` of problem ``p`` (float32, 0 where masked; indices broadcast as for
+    :func:`stage_rows`): the strided init's points when ``FROM_POINTS`` (the first iteration of a stage), else
+    the working table."""
     if FROM_POINTS:
         return stage_points(
             x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
             p, strided_tokens(ks, n_points, n_centroids), k_mask, cols, col_mask, STAGE, D, CENT_SCALED, PER_CENTROID,
         )
     else:
-        mask = k_mask[:, None] & col_mask[None, :]
-        return tl.load(cent_ptr + p * s_c_p + ((ks * s_c_k)[:, None] + (cols * s_c_d)[None, :]), mask=mask, other=0)
+        return tl.load(cent_ptr + p * s_c_p + (ks * s_c_k + cols * s_c_d), mask=k_mask & col_mask, other=0)
 
 
 @triton.jit

@@ -1,7 +1,7 @@
 """The encoder's last launch: residual codes, and every store of the write.
 
 Per block of tokens of one problem: the residual ``r = x - C_0[id_0] - ...`` (from the problem set's ids
-and stage tables), the head's power-of-two shift (from the head's largest scale need, which the final
+and stage tables; the last stage's rows from the decoded table the rounding kernel left, where it did), the head's power-of-two shift (from the head's largest scale need, which the final
 assignment folded in), then per group every scale candidate rounded to the scale format, its codes and
 squared error, the best candidate (ties to the larger scale), and the packed codes. The arithmetic is the
 reference's (:func:`~diffusers_qvg.codecs.groups.quantize_groups`); only the order of each error's float32
@@ -32,16 +32,21 @@ the value the codes use either way. So every element's error term is the same fl
 The scale candidates ``alpha extent / qmax / shift`` need no division either: ``/ 1`` is exact and dividing by a
 power of two is multiplying by its (exact) inverse, both the correctly rounded result of the same number.
 
-Fused multiply-adds. Every product this kernel adds to something is exact (a centroid times its power-of-two
-scale, a small code level times a step, a scale times the shift, the rounding helpers' power-of-two
-scalings), so contracting it into an FMA cannot change the result; the squared errors are the only rounded
-products, and their sums are already in an order of the hardware's. So the kernel compiles with FMA
-contraction, which fuses the squares into the error sums.
+Fused multiply-adds. The kernel compiles without implicit contraction, so that ``|r| - step`` stays one
+subtraction whose ``|r|`` is an operand modifier (contracted with the step's product, it became a fused
+multiply-add that cannot take one, and both ``r`` and ``|r|`` stayed live: spills). The one place it fuses
+is written out: the squared errors chained into their sums (:func:`_sum_of_squares`), whose order of
+float32 additions was never the reference's anyway. Every other product is exact (a centroid times its
+power-of-two scale, a small code level times a step, a scale times the shift), fused or not.
+
+Arrangement. The residual is held 4-D, tokens x groups x runs of LANES channels x lanes (:func:`arrangement`):
+for the ternary codes (64 tokens, 4 warps) the load's layout then gives each thread whole groups, so the
+14 candidates' group sums and the extents need no shuffle, each group's candidate scalars are computed
+by one thread instead of four, and the packed bytes fold to a multiply-add per code (no tensor-core pack).
 """
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -51,41 +56,78 @@ from ..format import QVGPacked
 from . import INTERPRETING, as_bits, centroid_scale_operand
 from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_scale, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
-from .problems import exact_dot, grid_problem, item_value, problem_points, stage_points
+from .problems import grid_problem, item_value, operand_rows, problem_points, stage_points
 
 # Tokens per program: ternary codes (division-free) / others. 64 ternary tokens pay each program's fixed work
 # over twice the tokens of 32, under a 128-register cap (4 CTAs of 4 warps per SM; docs/benchmarks.md, "The
 # codes kernel at 64 tokens per program").
 BLOCK_TOKENS = {True: 64, False: 16}
 MAX_REGISTERS = 128
+WARPS = 4
 
 
 @triton.jit
-def group_needs(r, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr):
-    """Per group: (extent or lo, hi, the scale the group needs before the shift) as [BLOCK, G_PAD] each."""
-    g = tl.reshape(r, (BLOCK, G_PAD, GROUP))
+def group_needs(g, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr):
+    """Per group of ``g`` (arranged, see :func:`arrangement`: axes ``RUNS_AXIS`` and 3 span a group): (extent or
+    lo, hi, the scale the group needs before the shift) as [BLOCK, G_PAD] each."""
     if SYMMETRIC:
-        extent = tl.max(tl.abs(g), axis=2)
+        extent = _group_max(tl.abs(g), RUNS_AXIS, GROUPS_FIRST)
         if QMAX == 1:
             return extent, extent, extent
         else:
             return extent, extent, tl.math.div_rn(extent, QMAX + 0.0)
     else:
-        lo = tl.min(g, axis=2)
-        hi = tl.max(g, axis=2)
+        lo = _per_group(tl.min(tl.min(g, axis=3), axis=RUNS_AXIS), GROUPS_FIRST) + 0.0  # +0.0, as the reference
+        hi = _group_max(g, RUNS_AXIS, GROUPS_FIRST) + 0.0
         return lo, hi, tl.maximum(tl.math.div_rn(hi - lo, QMAX + 0.0), tl.abs(lo))
 
 
 @triton.jit
-def _sum_of_squares(d, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.constexpr):
-    """Per group, the sum of ``d^2`` over its ``GROUP`` elements ([BLOCK, G_PAD, GROUP] -> [BLOCK, G_PAD]): each
-    run of eight neighbours (one thread's vector in the layout of the load) chained in fused multiply-adds,
-    then ``tl.sum`` over the runs.
-    ``tl.sum`` alone adds pairwise, 1.5 instructions per element against 1 for the chain; only the order of
-    the float32 additions differs. Groups under eight channels take ``tl.sum``."""
-    if GROUP < 8:
-        return tl.sum(d * d, axis=2)
-    d = tl.reshape(d, (BLOCK, G_PAD, GROUP // 8, 2, 2, 2))
+def _per_group(v, GROUPS_FIRST: tl.constexpr):
+    """A reduced [tokens, groups] or [groups, tokens] value as [BLOCK, G_PAD] (a transpose in registers is free)."""
+    if GROUPS_FIRST:
+        return tl.trans(v)
+    else:
+        return v
+
+
+@triton.jit
+def _group_max(g, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
+    return _per_group(tl.max(tl.max(g, axis=3), axis=RUNS_AXIS), GROUPS_FIRST)
+
+
+@triton.jit
+def _group_sum(g, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
+    return _per_group(tl.sum(tl.sum(g, axis=3), axis=RUNS_AXIS), GROUPS_FIRST)
+
+
+@triton.jit
+def _spread(v, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
+    """A per-group value [BLOCK, G_PAD] broadcast over the arrangement's runs and lanes."""
+    return tl.expand_dims(tl.expand_dims(_per_group(v, GROUPS_FIRST), RUNS_AXIS), 3)
+
+
+@triton.jit
+def _on_axis(i, AXIS: tl.constexpr):
+    """A 1-D index along axis ``AXIS`` (0, 1 or 2) of the arrangement."""
+    if AXIS == 0:
+        return i[:, None, None, None]
+    elif AXIS == 1:
+        return i[None, :, None, None]
+    else:
+        return i[None, None, :, None]
+
+
+@triton.jit
+def _sum_of_squares(d, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+                    S2: tl.constexpr, LANES: tl.constexpr):
+    """Per group, the sum of ``d^2`` ([S0, S1, S2, LANES] -> [BLOCK, G_PAD]): each run's eight lanes (one
+    thread's vector) chained in fused multiply-adds, then ``tl.sum`` over the runs. ``tl.sum`` alone adds
+    pairwise, 1.5 instructions per element against 1 for the chain; only the order of the float32 additions
+    differs. Groups under eight channels take ``tl.sum``."""
+    if LANES < 8:
+        return _group_sum(d * d, RUNS_AXIS, GROUPS_FIRST)
+    d = tl.reshape(d, (S0, S1, S2, 2, 2, 2))
     even, odd = tl.split(d)
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
@@ -94,14 +136,14 @@ def _sum_of_squares(d, BLOCK: tl.constexpr, G_PAD: tl.constexpr, GROUP: tl.const
     v1, v5 = tl.split(o0)
     v3, v7 = tl.split(o1)
     acc = v0 * v0
-    acc = acc + v1 * v1
-    acc = acc + v2 * v2
-    acc = acc + v3 * v3
-    acc = acc + v4 * v4
-    acc = acc + v5 * v5
-    acc = acc + v6 * v6
-    acc = acc + v7 * v7
-    return tl.sum(acc, axis=2)
+    acc = tl.math.fma(v1, v1, acc)
+    acc = tl.math.fma(v2, v2, acc)
+    acc = tl.math.fma(v3, v3, acc)
+    acc = tl.math.fma(v4, v4, acc)
+    acc = tl.math.fma(v5, v5, acc)
+    acc = tl.math.fma(v6, v6, acc)
+    acc = tl.math.fma(v7, v7, acc)
+    return _per_group(tl.sum(acc, axis=RUNS_AXIS), GROUPS_FIRST)
 
 
 @triton.jit
@@ -131,14 +173,22 @@ def _ternary_threshold(step):
 
 
 @triton.jit
-def _levels(g, step, zero_f, LOW: tl.constexpr, QMAX: tl.constexpr, TERNARY: tl.constexpr):
-    """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0``."""
-    if TERNARY:
-        return tl.where(tl.abs(g) > _ternary_threshold(step), tl.where(g > 0, 1.0, -1.0), 0.0)
+def _levels(g, step, zero_f, LOW: tl.constexpr, QMAX: tl.constexpr):
+    """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0`` (the
+    ternary codes need no division: the module docstring)."""
+    y = tl.math.div_rn(g - zero_f, tl.where(step > 0, step, 1.0))
+    y = tl.minimum(tl.maximum(y, LOW - 1.0), QMAX + 1.0)  # rint is exact below 2^22
+    return tl.where(step > 0, tl.minimum(tl.maximum(rint(y), LOW + 0.0), QMAX + 0.0), 0.0)
+
+
+@triton.jit
+def _place_value(position, TRITS: tl.constexpr, BITS: tl.constexpr):
+    """A code's weight in its byte (int32): ``3^position`` for trits, else ``2^(BITS position)`` (the format's
+    layout, :mod:`..format`: a byte's first code is its most significant digit)."""
+    if TRITS:
+        return tl.where(position == 4, 81, tl.where(position == 3, 27, tl.where(position == 2, 9, tl.where(position == 1, 3, 1))))
     else:
-        y = tl.math.div_rn(g - zero_f, tl.where(step > 0, step, 1.0))
-        y = tl.minimum(tl.maximum(y, LOW - 1.0), QMAX + 1.0)  # rint is exact below 2^22
-        return tl.where(step > 0, tl.minimum(tl.maximum(rint(y), LOW + 0.0), QMAX + 0.0), 0.0)
+        return 1 << (BITS * position)
 
 
 @triton.jit
@@ -152,7 +202,7 @@ def _gated(mask, ok):
 def _residual_codes_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    need_ptr, alpha_ptr, allowed_ptr, pack_ptr, tbits_ptr,
+    op_ptr, need_ptr, alpha_ptr, allowed_ptr, tbits_ptr,
     codes_ptr, scales_ptr, zeros_ptr, sids_ptr, scent_ptr, scscale_ptr, shift_ptr,
     s_codes_b, s_codes_t, s_codes_h, s_codes_c,
     s_scales_b, s_scales_t, s_scales_h, s_scales_g,
@@ -161,23 +211,39 @@ def _residual_codes_kernel(
     s_cent_slot, s_cent_stage, s_cent_b, s_cent_h, s_cent_k, s_cent_d,
     s_cscale_slot, s_cscale_stage, s_cscale_b, s_cscale_h, s_cscale_k,
     s_shift_slot, s_shift_b, s_shift_h,
-    D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr, BYTES_PAD: tl.constexpr,
-    PER_BYTE: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
+    D: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_BYTES: tl.constexpr,
+    PER_BYTE: tl.constexpr, TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
     FMT_MAX: tl.constexpr, CANDIDATES: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr,
-    PER_CENTROID: tl.constexpr, GATED: tl.constexpr,
+    PER_CENTROID: tl.constexpr, GATED: tl.constexpr, LAST_HELD: tl.constexpr,
+    TOKEN_AXIS: tl.constexpr, GROUP_AXIS: tl.constexpr, RUNS_AXIS: tl.constexpr,
     BLOCK: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p, item, b, h = grid_problem(heads, batch)
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = tokens < n_points
-    cols = tl.arange(0, D_PAD)
-    col_mask = cols < D
-    x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
-    r = stage_points(
-        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
-        p, tokens, row_mask, cols, col_mask, STAGES, D, CENT_SCALED, PER_CENTROID,
-    )
     G_PAD: tl.constexpr = D_PAD // GROUP
+    LANES: tl.constexpr = 8 if GROUP >= 8 else GROUP
+    RUNS: tl.constexpr = GROUP // LANES
+    # The residual arranged 4-D, axes 0-2 the tokens, the groups and the runs of LANES channels in the order
+    # :func:`arrangement` chose (axis 3 the lanes): channel run x LANES + lane of group g of a token.
+    GROUPS_FIRST: tl.constexpr = GROUP_AXIS < TOKEN_AXIS
+    S0: tl.constexpr = BLOCK if TOKEN_AXIS == 0 else (G_PAD if GROUP_AXIS == 0 else RUNS)
+    S1: tl.constexpr = BLOCK if TOKEN_AXIS == 1 else (G_PAD if GROUP_AXIS == 1 else RUNS)
+    S2: tl.constexpr = BLOCK if TOKEN_AXIS == 2 else (G_PAD if GROUP_AXIS == 2 else RUNS)
+    within = _on_axis(tl.arange(0, RUNS) * LANES, RUNS_AXIS) + tl.arange(0, LANES)[None, None, None, :]
+    cols = within + _on_axis(tl.arange(0, G_PAD) * GROUP, GROUP_AXIS)
+    col_mask = cols < D
+    at = _on_axis(tokens, TOKEN_AXIS)
+    in_rows = _on_axis(row_mask, TOKEN_AXIS)
+    x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
+    DECODED: tl.constexpr = STAGES - 1 if LAST_HELD else STAGES  # stages whose rows decode from the tables
+    g = stage_points(
+        x_row, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, s_x_t, s_x_d,
+        p, at, in_rows, cols, col_mask, DECODED, D, CENT_SCALED, PER_CENTROID,
+    )
+    if LAST_HELD:  # the last stage's rows as the rounding kernel left them decoded (the same float32 values)
+        ids = tl.load(ids_ptr + (DECODED * n_problems + p) * n_points + at, mask=in_rows, other=0)
+        g = g - operand_rows(op_ptr, p, ids, in_rows, cols, col_mask, n_centroids, D)
     MANTISSA: tl.constexpr = 3 if SCALE_E4M3 else 10
     MIN_EXPONENT: tl.constexpr = -6 if SCALE_E4M3 else -14
     LOW: tl.constexpr = -QMAX if SYMMETRIC else 0
@@ -186,8 +252,7 @@ def _residual_codes_kernel(
     shift = pow2_at_least(tl.math.div_rn(tl.load(need_ptr + p), FMT_MAX + 0.0))
     inv_shift = pow2(-exponent(shift))  # exact: the shift is a normal power of two at most 2^51
 
-    g = tl.reshape(r, (BLOCK, G_PAD, GROUP))
-    lo, hi, _ = group_needs(r, BLOCK, G_PAD, GROUP, SYMMETRIC, QMAX)
+    lo, hi, _ = group_needs(g, RUNS_AXIS, GROUPS_FIRST, SYMMETRIC, QMAX)
     if SYMMETRIC:
         extent = hi
         zero = tl.zeros_like(hi)
@@ -196,30 +261,33 @@ def _residual_codes_kernel(
         zero = round_to_format(clamp(lo * inv_shift, -FMT_MAX, FMT_MAX), MANTISSA, MIN_EXPONENT)
         zero_f = zero * shift
         extent = hi - zero_f
-    a = tl.abs(g)
     shifted_extent = extent * inv_shift
 
     best_err = tl.zeros_like(hi)
     best_s = tl.zeros_like(hi)
     for j in tl.static_range(CANDIDATES):
         s = _scale(tl.load(alpha_ptr + j), shifted_extent, QMAX, FMT_MAX, MANTISSA, MIN_EXPONENT, SYMMETRIC, INTERPRET)
-        step = (s * shift)[:, :, None]
+        step = _spread(s * shift, RUNS_AXIS, GROUPS_FIRST)
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
-            diff = tl.minimum(a, tl.abs(a - step))
+            diff = tl.minimum(tl.abs(g), tl.abs(tl.abs(g) - step))  # |g| as operand modifiers: g alone stays live
         else:
-            q = _levels(g, step, zero_f[:, :, None], LOW, QMAX, TERNARY)
+            q = _levels(g, step, _spread(zero_f, RUNS_AXIS, GROUPS_FIRST), LOW, QMAX)
             if SYMMETRIC:
                 diff = g - q * step
             else:
-                diff = g - (q * step + zero_f[:, :, None])
-        err = _sum_of_squares(diff, BLOCK, G_PAD, GROUP)
+                diff = g - (q * step + _spread(zero_f, RUNS_AXIS, GROUPS_FIRST))
+        err = _sum_of_squares(diff, RUNS_AXIS, GROUPS_FIRST, S0, S1, S2, LANES)
         if j == 0:
             best_err, best_s = err, s
         else:
             better = err < best_err
             best_err = tl.where(better, err, best_err)
             best_s = tl.where(better, s, best_s)
-    code = _levels(g, (best_s * shift)[:, :, None], zero_f[:, :, None], LOW, QMAX, TERNARY) - LOW  # exact, float32
+    best_step = _spread(best_s * shift, RUNS_AXIS, GROUPS_FIRST)
+    if TERNARY:  # the code, level + 1: 0, 1 or 2 (the module docstring's threshold)
+        code = tl.where(tl.abs(g) > _ternary_threshold(best_step), tl.where(g > 0, 2, 0), 1)
+    else:
+        code = (_levels(g, best_step, _spread(zero_f, RUNS_AXIS, GROUPS_FIRST), LOW, QMAX) - LOW).to(tl.int32)  # exact
 
     # The stores: nothing unless this item's write is clean.
     ok = True
@@ -245,22 +313,13 @@ def _residual_codes_kernel(
 
     code_row = codes_ptr + item_value(items_ptr, item, CODES) + b * s_codes_b + h * s_codes_h + first * s_codes_t
     code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
-    if GROUP >= 16:  # pack on tensor cores: codes [.., GROUP] @ place values [GROUP, bytes], small exact integers
-        levels = tl.reshape(code, (BLOCK * G_PAD, GROUP))
-        j = tl.arange(0, GROUP)
-        k = tl.arange(0, BYTES_PAD)
-        weights = tl.load(pack_ptr + (j[:, None] * BYTES_PAD + k[None, :]))
-        packed = exact_dot(levels, weights, tl.zeros([BLOCK * G_PAD, BYTES_PAD], tl.float32), "bf16", INTERPRET)
-        packed = tl.reshape(packed, (BLOCK, G_PAD, BYTES_PAD)).to(tl.int32)
-        at = code_at[:, :, None] + (k * s_codes_c)[None, None, :]
-        tl.store(code_row + at, packed.to(tl.uint8), mask=mask[:, :, None] & (k < GROUP_BYTES)[None, None, :])
-    else:
-        within = tl.arange(0, GROUP)
-        weights = tl.load(pack_ptr + within * BYTES_PAD + within // PER_BYTE)
-        weighted = code.to(tl.int32) * weights[None, None, :].to(tl.int32)
-        for byte in tl.static_range(GROUP_BYTES):
-            value = tl.sum(tl.where((within // PER_BYTE == byte)[None, None, :], weighted, 0), axis=2)
-            tl.store(code_row + (code_at + byte * s_codes_c), value.to(tl.uint8), mask=mask)
+    # Each byte is its codes times their place values, summed. Where a thread holds whole groups, every
+    # channel's byte and place value is a constant of its register: the masks fold away and each byte costs
+    # one multiply-add per code.
+    weighted = code * _place_value(PER_BYTE - 1 - within % PER_BYTE, TRITS, 8 // PER_BYTE)
+    for byte in tl.static_range(GROUP_BYTES):
+        value = _group_sum(tl.where(within // PER_BYTE == byte, weighted, 0), RUNS_AXIS, GROUPS_FIRST)
+        tl.store(code_row + (code_at + byte * s_codes_c), value.to(tl.uint8), mask=mask)
 
     id_row = sids_ptr + item_value(items_ptr, item, IDS) + b * s_ids_b + h * s_ids_h + first * s_ids_t
     for t in tl.static_range(STAGES):
@@ -304,25 +363,20 @@ def _store_tables(
                 tl.store(scscale_ptr + cscale_at + t * s_cscale_stage + k * s_cscale_k, scale, mask=ok)
 
 
-def bytes_pad(cfg) -> int:
-    """Packed bytes per group, padded to a tensor-core tile width."""
-    return max(16, triton.next_power_of_2(cfg.group_code_bytes))
+# Triton gives a load's threads to its non-contiguous axes of equal contiguity in axis order (3.6, the GPU
+# machine's) or in reverse axis order (3.9); versions in between are assumed to be 3.9's.
+TIES_IN_AXIS_ORDER = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
 
 
-@functools.lru_cache(maxsize=16)
-def _place_values(trits: bool, bits: int, group: int, width: int, device: torch.device) -> torch.Tensor:
-    per_byte = 5 if trits else 8 // bits
-    table = torch.zeros(group, width)
-    for j in range(group):
-        position = per_byte - 1 - j % per_byte  # the first code of a byte is its most significant digit
-        table[j, j // per_byte] = 3**position if trits else 2 ** (bits * position)
-    return table.to(device)
-
-
-def place_values(cfg, device: torch.device) -> torch.Tensor:
-    """float32 [group_size, bytes_pad]: the place value of each code of a group in its byte (base 3 for trits,
-    ``2^bits`` otherwise; the format's layout, :mod:`..format`), built once per device."""
-    return _place_values(cfg.trits, cfg.bits, cfg.group_size, bytes_pad(cfg), device)
+def arrangement(whole_groups: bool) -> tuple[int, int, int]:
+    """The codes kernel's axes (tokens, groups, runs) of its 4-D residual. Threads go to the groups first,
+    then (``whole_groups``: a thread per group of the block, the 64-token ternary codes) to the tokens, so
+    that the runs stay in a thread's registers and a group's sums and maxima take no shuffle; else to the
+    runs, then the tokens, so that a group spans threads of one warp, never warps. The axes are the order in
+    which Triton hands out threads to the load's equally contiguous axes."""
+    order = ("group", "token", "runs") if whole_groups else ("group", "runs", "token")
+    axes = {name: (k if TIES_IN_AXIS_ORDER else 2 - k) for k, name in enumerate(order)}
+    return axes["token"], axes["group"], axes["runs"]
 
 
 def launch_codes(
@@ -330,26 +384,33 @@ def launch_codes(
     storage: QVGPacked,
     alphas: torch.Tensor,
     allowed: torch.Tensor | None = None,
+    held: bool = False,
 ) -> None:
     """Write every field of each item's segment: the residual codes from ``problems`` (ids, stage tables, scale
     needs and magnitudes already computed), and the stages' ids and tables. ``storage`` is item 0's (the item
     table holds the others' offsets); ``alphas`` (float32 on the device) are the scale fractions to try,
     largest first. ``allowed``: int32 [I], 0 where an item may not store (its write status's verdict; None: an
-    unchecked write, every item stores)."""
+    unchecked write, every item stores). ``held``: the operand scratch holds the last stage's decoded table
+    (the encoder's rounding kernel left it there, :attr:`Problems.holds_table`), which the residual then
+    reads instead of decoding the stored table."""
     pr, cfg = problems, storage.config
     cscale, cscale_strides = centroid_scale_operand(storage)
     zeros = storage.zeros if storage.zeros is not None else storage.scales
     D = pr.head_dim
     block = BLOCK_TOKENS[cfg.symmetric and cfg.qmax == 1]
+    d_pad = triton.next_power_of_2(D)
+    token_axis, group_axis, runs_axis = arrangement(block * (d_pad // cfg.group_size) >= 32 * WARPS)
     _residual_codes_kernel[pr.grid(triton.cdiv(pr.tokens, block))](
-        *pr.point_args(), pr.need, alphas, allowed if allowed is not None else pr.need, place_values(cfg, pr.x.device),
+        *pr.point_args(), pr.operands, pr.need, alphas, allowed if allowed is not None else pr.need,
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
         *storage.centroids.stride(), *cscale_strides, *storage.scale_shift.stride(),
-        D=D, D_PAD=triton.next_power_of_2(D), GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes,
-        BYTES_PAD=bytes_pad(cfg), PER_BYTE=5 if cfg.trits else 8 // cfg.bits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
+        D=D, D_PAD=d_pad, GROUP=cfg.group_size, GROUP_BYTES=cfg.group_code_bytes,
+        PER_BYTE=5 if cfg.trits else 8 // cfg.bits, TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
-        CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=allowed is not None, BLOCK=block,
-        INTERPRET=INTERPRETING, enable_fp_fusion=True, maxnreg=MAX_REGISTERS, **pr.flags(),  # see the module docstring
+        CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=allowed is not None,
+        LAST_HELD=held and cfg.stages > 0, TOKEN_AXIS=token_axis, GROUP_AXIS=group_axis,
+        RUNS_AXIS=runs_axis, BLOCK=block,
+        INTERPRET=INTERPRETING, num_warps=WARPS, enable_fp_fusion=False, maxnreg=MAX_REGISTERS, **pr.flags(),  # see the module docstring
     )  # fmt: skip
