@@ -213,7 +213,8 @@ def main(argv: list[str] | None = None) -> None:
             # The clean pass's call at the cache's default CacheConfig.encode_layers=3: a chunk is 10 of these at
             # 30 layers (issue 8's <= 3 ms per chunk); then the measured codec levers (docs/benchmarks.md).
             # The last row is the codes kernel's losing tile by the sm_90 estimate (32 ternary tokens per program
-            # against 64: docs/benchmarks.md, "The codes kernel at 64 tokens per program"), for a GPU to settle.
+            # against 64: docs/benchmarks.md, "The codes kernel at 64 tokens per program"; at 32 tokens a group
+            # spans threads again, "A thread per group"), for a GPU to settle.
             levers = {"": (config, None)}
             if name == "qvg-int2" and not args.small:  # the same call, other configs (seconds in the interpreter)
                 levers |= {", kmeans_iters=4": (config.with_(kmeans_iters=4), None),
