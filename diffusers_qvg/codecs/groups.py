@@ -60,7 +60,8 @@ def quantize_groups(
     Symmetric codes are ``q in [-qmax, qmax]`` with ``qmax = 2^(bits-1) - 1`` (INT2: ternary), decoded as
     ``q * step``; asymmetric codes are ``q in [0, 2^bits - 1]``, decoded as ``q * step + zero``. In order:
 
-    - extent: symmetric ``a = max|r|``; asymmetric ``lo, hi = min r + 0, max r + 0`` per group (``+ 0``: +0.0, never -0.0);
+    - extent: symmetric ``a = max|r|``; asymmetric ``lo, hi = min r + 0, max r + 0`` per group (``+ 0``: never
+      -0.0);
     - ``shift = pow2_at_least(A / fmt_max)`` per (batch, head), ``A`` the head's largest ``a / qmax``
       (asymmetric: of ``max((hi - lo) / qmax, |lo|)``), so that no scale or zero saturates;
     - asymmetric: ``zero = fmt(lo / shift)``, ``zf = float(zero) * shift``, and the extent becomes ``hi - zf``;

@@ -85,7 +85,7 @@ def encode(
         whats, conditions = zip(*checks)
         allowed = status.check_batch(problems.magnitude, whats, config.max_abs_input, holds, conditions).to(torch.int32)
     alphas = scale_fractions(config.scale_search, problems.x.device)
-    launch_codes(problems, writes[0].storage, alphas, allowed, held=config.stages > 0 and problems.holds_table)
+    launch_codes(problems, writes[0].storage, alphas, allowed, held=problems.holds_table)
 
 
 def launch_count(config: QVGConfig) -> int:

@@ -1,9 +1,10 @@
 """The encoder's last launch: residual codes, and every store of the write.
 
 Per block of tokens of one problem: the residual ``r = x - C_0[id_0] - ...`` (from the problem set's ids
-and stage tables; the last stage's rows from the decoded table the rounding kernel left, where it did), the head's power-of-two shift (from the head's largest scale need, which the final
-assignment folded in), then per group every scale candidate rounded to the scale format, its codes and
-squared error, the best candidate (ties to the larger scale), and the packed codes. The arithmetic is the
+and stage tables; the last stage's rows from the decoded table the rounding kernel left, where it did), the
+head's power-of-two shift (from the head's largest scale need, which the final assignment folded in), then
+per group every scale candidate rounded to the scale format, its codes and squared error, the best candidate
+(ties to the larger scale), and the packed codes. The arithmetic is the
 reference's (:func:`~diffusers_qvg.codecs.groups.quantize_groups`); only the order of each error's float32
 sum differs, so a group whose two best candidates tie to within rounding may pick the other one.
 
@@ -42,11 +43,11 @@ power-of-two scale, a small code level times a step, a scale times the shift), f
 Arrangement. The residual is held 4-D, tokens x groups x runs of LANES channels x lanes (:func:`arrangement`):
 for the ternary codes (64 tokens, 4 warps) the load's layout then gives each thread whole groups, so the
 14 candidates' group sums and the extents need no shuffle, each group's candidate scalars are computed
-by one thread instead of four, and the packed bytes fold to a multiply-add per code (no tensor-core pack).
+by one thread instead of four, and each packed byte folds to constant-weighted selects and adds of its
+codes (no tensor-core pack).
 """
 
 from __future__ import annotations
-
 
 import torch
 import triton
@@ -119,15 +120,14 @@ def _on_axis(i, AXIS: tl.constexpr):
 
 
 @triton.jit
-def _sum_of_squares(d, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
-                    S2: tl.constexpr, LANES: tl.constexpr):
-    """Per group, the sum of ``d^2`` ([S0, S1, S2, LANES] -> [BLOCK, G_PAD]): each run's eight lanes (one
+def _sum_of_squares(d, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr, LANES: tl.constexpr):
+    """Per group, the sum of ``d^2`` (arranged -> [BLOCK, G_PAD]): each run's eight lanes (one
     thread's vector) chained in fused multiply-adds, then ``tl.sum`` over the runs. ``tl.sum`` alone adds
     pairwise, 1.5 instructions per element against 1 for the chain; only the order of the float32 additions
     differs. Groups under eight channels take ``tl.sum``."""
     if LANES < 8:
         return _group_sum(d * d, RUNS_AXIS, GROUPS_FIRST)
-    d = tl.reshape(d, (S0, S1, S2, 2, 2, 2))
+    d = tl.reshape(d, (d.shape[0], d.shape[1], d.shape[2], 2, 2, 2))
     even, odd = tl.split(d)
     e0, e1 = tl.split(even)
     o0, o1 = tl.split(odd)
@@ -186,7 +186,8 @@ def _place_value(position, TRITS: tl.constexpr, BITS: tl.constexpr):
     """A code's weight in its byte (int32): ``3^position`` for trits, else ``2^(BITS position)`` (the format's
     layout, :mod:`..format`: a byte's first code is its most significant digit)."""
     if TRITS:
-        return tl.where(position == 4, 81, tl.where(position == 3, 27, tl.where(position == 2, 9, tl.where(position == 1, 3, 1))))
+        low = tl.where(position == 2, 9, tl.where(position == 1, 3, 1))
+        return tl.where(position == 4, 81, tl.where(position == 3, 27, low))
     else:
         return 1 << (BITS * position)
 
@@ -215,7 +216,7 @@ def _residual_codes_kernel(
     PER_BYTE: tl.constexpr, TRITS: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr, SCALE_E4M3: tl.constexpr,
     FMT_MAX: tl.constexpr, CANDIDATES: tl.constexpr, STAGES: tl.constexpr, CENT_SCALED: tl.constexpr,
     PER_CENTROID: tl.constexpr, GATED: tl.constexpr, LAST_HELD: tl.constexpr,
-    TOKEN_AXIS: tl.constexpr, GROUP_AXIS: tl.constexpr, RUNS_AXIS: tl.constexpr,
+    TOKEN_AXIS: tl.constexpr, GROUP_AXIS: tl.constexpr,
     BLOCK: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
     p, item, b, h = grid_problem(heads, batch)
@@ -226,10 +227,8 @@ def _residual_codes_kernel(
     RUNS: tl.constexpr = GROUP // LANES
     # The residual arranged 4-D, axes 0-2 the tokens, the groups and the runs of LANES channels in the order
     # :func:`arrangement` chose (axis 3 the lanes): channel run x LANES + lane of group g of a token.
+    RUNS_AXIS: tl.constexpr = 3 - TOKEN_AXIS - GROUP_AXIS
     GROUPS_FIRST: tl.constexpr = GROUP_AXIS < TOKEN_AXIS
-    S0: tl.constexpr = BLOCK if TOKEN_AXIS == 0 else (G_PAD if GROUP_AXIS == 0 else RUNS)
-    S1: tl.constexpr = BLOCK if TOKEN_AXIS == 1 else (G_PAD if GROUP_AXIS == 1 else RUNS)
-    S2: tl.constexpr = BLOCK if TOKEN_AXIS == 2 else (G_PAD if GROUP_AXIS == 2 else RUNS)
     within = _on_axis(tl.arange(0, RUNS) * LANES, RUNS_AXIS) + tl.arange(0, LANES)[None, None, None, :]
     cols = within + _on_axis(tl.arange(0, G_PAD) * GROUP, GROUP_AXIS)
     col_mask = cols < D
@@ -276,7 +275,7 @@ def _residual_codes_kernel(
                 diff = g - q * step
             else:
                 diff = g - (q * step + _spread(zero_f, RUNS_AXIS, GROUPS_FIRST))
-        err = _sum_of_squares(diff, RUNS_AXIS, GROUPS_FIRST, S0, S1, S2, LANES)
+        err = _sum_of_squares(diff, RUNS_AXIS, GROUPS_FIRST, LANES)
         if j == 0:
             best_err, best_s = err, s
         else:
@@ -314,8 +313,8 @@ def _residual_codes_kernel(
     code_row = codes_ptr + item_value(items_ptr, item, CODES) + b * s_codes_b + h * s_codes_h + first * s_codes_t
     code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
     # Each byte is its codes times their place values, summed. Where a thread holds whole groups, every
-    # channel's byte and place value is a constant of its register: the masks fold away and each byte costs
-    # one multiply-add per code.
+    # channel's byte and place value is a constant of its register: the masks fold away, and each code costs
+    # two selects of constants and an add.
     weighted = code * _place_value(PER_BYTE - 1 - within % PER_BYTE, TRITS, 8 // PER_BYTE)
     for byte in tl.static_range(GROUP_BYTES):
         value = _group_sum(tl.where(within // PER_BYTE == byte, weighted, 0), RUNS_AXIS, GROUPS_FIRST)
@@ -368,15 +367,15 @@ def _store_tables(
 TIES_IN_AXIS_ORDER = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7)
 
 
-def arrangement(whole_groups: bool) -> tuple[int, int, int]:
-    """The codes kernel's axes (tokens, groups, runs) of its 4-D residual. Threads go to the groups first,
+def arrangement(whole_groups: bool) -> tuple[int, int]:
+    """The codes kernel's axes of the tokens and the groups in its 4-D residual (the runs take the third). Threads go to the groups first,
     then (``whole_groups``: a thread per group of the block, the 64-token ternary codes) to the tokens, so
     that the runs stay in a thread's registers and a group's sums and maxima take no shuffle; else to the
     runs, then the tokens, so that a group spans threads of one warp, never warps. The axes are the order in
     which Triton hands out threads to the load's equally contiguous axes."""
     order = ("group", "token", "runs") if whole_groups else ("group", "runs", "token")
     axes = {name: (k if TIES_IN_AXIS_ORDER else 2 - k) for k, name in enumerate(order)}
-    return axes["token"], axes["group"], axes["runs"]
+    return axes["token"], axes["group"]
 
 
 def launch_codes(
@@ -399,7 +398,7 @@ def launch_codes(
     D = pr.head_dim
     block = BLOCK_TOKENS[cfg.symmetric and cfg.qmax == 1]
     d_pad = triton.next_power_of_2(D)
-    token_axis, group_axis, runs_axis = arrangement(block * (d_pad // cfg.group_size) >= 32 * WARPS)
+    token_axis, group_axis = arrangement(block * (d_pad // cfg.group_size) >= 32 * WARPS)
     _residual_codes_kernel[pr.grid(triton.cdiv(pr.tokens, block))](
         *pr.point_args(), pr.operands, pr.need, alphas, allowed if allowed is not None else pr.need,
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
@@ -410,7 +409,7 @@ def launch_codes(
         PER_BYTE=5 if cfg.trits else 8 // cfg.bits, TRITS=cfg.trits, SYMMETRIC=cfg.symmetric, QMAX=cfg.qmax,
         SCALE_E4M3=cfg.scale_dtype == "e4m3", FMT_MAX=torch.finfo(cfg.scale_torch_dtype).max,
         CANDIDATES=len(alphas), STAGES=cfg.stages, GATED=allowed is not None,
-        LAST_HELD=held and cfg.stages > 0, TOKEN_AXIS=token_axis, GROUP_AXIS=group_axis,
-        RUNS_AXIS=runs_axis, BLOCK=block,
-        INTERPRET=INTERPRETING, num_warps=WARPS, enable_fp_fusion=False, maxnreg=MAX_REGISTERS, **pr.flags(),  # see the module docstring
+        LAST_HELD=held and cfg.stages > 0, TOKEN_AXIS=token_axis, GROUP_AXIS=group_axis, BLOCK=block,
+        INTERPRET=INTERPRETING, num_warps=WARPS, enable_fp_fusion=False, maxnreg=MAX_REGISTERS,  # module docstring
+        **pr.flags(),
     )  # fmt: skip
