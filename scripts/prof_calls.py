@@ -42,3 +42,9 @@ def kv3_batch_traceable() -> None:
 def kv3_coarse_traceable() -> None:
     """The same with the coarse scale search (``scale_search="mse-coarse"``)."""
     batch_write(QVGConfig(scale_search="mse-coarse"), 3)
+
+
+def int4_asym_traceable() -> None:
+    """One layer's K and V in INT4 asymmetric codes with fp16 scales: 16-token programs, whose groups span
+    threads (docs/benchmarks.md, "A thread per group")."""
+    batch_write(QVGConfig(bits=4, symmetric=False, scale_dtype="fp16"), 1)
