@@ -175,10 +175,22 @@ def _ternary_threshold(step):
 @triton.jit
 def _levels(g, step, zero_f, LOW: tl.constexpr, QMAX: tl.constexpr):
     """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0`` (the
-    ternary codes need no division: the module docstring)."""
-    y = tl.math.div_rn(g - zero_f, tl.where(step > 0, step, 1.0))
-    y = tl.minimum(tl.maximum(y, LOW - 1.0), QMAX + 1.0)  # rint is exact below 2^22
-    return tl.where(step > 0, tl.minimum(tl.maximum(rint(y), LOW + 0.0), QMAX + 0.0), 0.0)
+    ternary codes need no division: the module docstring). A zero (or NaN) step divides by infinity: a
+    finite ``g - zero`` gives +-0, level 0, with no per-element select. Clamping before rounding gives the
+    same integer (the bounds are integers) and keeps rint within its exact range."""
+    y = tl.math.div_rn(g - zero_f, tl.where(step > 0, step, float("inf")))
+    return rint(tl.minimum(tl.maximum(y, LOW + 0.0), QMAX + 0.0))
+
+
+@triton.jit
+def _level_error(g, q, step, zero_f, SYMMETRIC: tl.constexpr):
+    """The reference's ``g - (q * step + zero)``. ``q * step`` is exact (a small integer times a scale of at
+    most 11 significant bits, or a multiple of the smallest subnormal), so one fused multiply-add rounds
+    where the reference's sum does."""
+    if SYMMETRIC:
+        return tl.math.fma(-q, step, g)
+    else:
+        return g - tl.math.fma(q, step, zero_f)
 
 
 @triton.jit
@@ -190,6 +202,13 @@ def _place_value(position, TRITS: tl.constexpr, BITS: tl.constexpr):
         return tl.where(position == 4, 81, tl.where(position == 3, 27, low))
     else:
         return 1 << (BITS * position)
+
+
+@triton.jit
+def _run_bytes(weighted, PER_BYTE: tl.constexpr):
+    """Each run's bytes: its lanes' weighted codes summed in runs of ``PER_BYTE`` (arranged -> lanes / PER_BYTE)."""
+    w = weighted  # (a tensor's shape, named, is no constexpr tuple when compiled)
+    return tl.sum(tl.reshape(w, (w.shape[0], w.shape[1], w.shape[2], w.shape[3] // PER_BYTE, PER_BYTE)), axis=4)
 
 
 @triton.jit
@@ -270,11 +289,8 @@ def _residual_codes_kernel(
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
             diff = tl.minimum(tl.abs(g), tl.abs(tl.abs(g) - step))  # |g| as operand modifiers: g alone stays live
         else:
-            q = _levels(g, step, _spread(zero_f, RUNS_AXIS, GROUPS_FIRST), LOW, QMAX)
-            if SYMMETRIC:
-                diff = g - q * step
-            else:
-                diff = g - (q * step + _spread(zero_f, RUNS_AXIS, GROUPS_FIRST))
+            zero_fs = _spread(zero_f, RUNS_AXIS, GROUPS_FIRST)
+            diff = _level_error(g, _levels(g, step, zero_fs, LOW, QMAX), step, zero_fs, SYMMETRIC)
         err = _sum_of_squares(diff, RUNS_AXIS, GROUPS_FIRST, LANES)
         if j == 0:
             best_err, best_s = err, s
@@ -311,14 +327,24 @@ def _residual_codes_kernel(
             tl.store(zero_row + zero_at, zero.to(tl.float16), mask=mask)
 
     code_row = codes_ptr + item_value(items_ptr, item, CODES) + b * s_codes_b + h * s_codes_h + first * s_codes_t
-    code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
-    # Each byte is its codes times their place values, summed. Where a thread holds whole groups, every
-    # channel's byte and place value is a constant of its register: the masks fold away, and each code costs
-    # two selects of constants and an add.
+    # Each byte is its codes times their place values, summed.
     weighted = code * _place_value(PER_BYTE - 1 - within % PER_BYTE, TRITS, 8 // PER_BYTE)
-    for byte in tl.static_range(GROUP_BYTES):
-        value = _group_sum(tl.where(within // PER_BYTE == byte, weighted, 0), RUNS_AXIS, GROUPS_FIRST)
-        tl.store(code_row + (code_at + byte * s_codes_c), value.to(tl.uint8), mask=mask)
+    if LANES % PER_BYTE == 0:
+        # A byte's codes are adjacent lanes of one run (bits): summed in the thread that holds the run, the
+        # run's bytes stored as one vector, whether a group spans threads or not.
+        BYTES_PER_RUN: tl.constexpr = LANES // PER_BYTE
+        packed = _run_bytes(weighted, PER_BYTE)
+        run_bytes = _on_axis(tl.arange(0, RUNS) * BYTES_PER_RUN, RUNS_AXIS) + tl.arange(0, BYTES_PER_RUN)[None, None, None, :]
+        byte_at = at * s_codes_t + (_on_axis(groups * GROUP_BYTES, GROUP_AXIS) + run_bytes) * s_codes_c
+        byte_mask = _gated(in_rows & _on_axis(groups * GROUP < D, GROUP_AXIS), ok)
+        tl.store(code_row + byte_at, packed.to(tl.uint8), mask=byte_mask)
+    else:
+        # Trits span runs. Where a thread holds whole groups, every channel's byte and place value is a
+        # constant of its register: the masks fold away, and each code costs two selects of constants and an add.
+        code_at = (tokens * s_codes_t)[:, None] + (groups * (GROUP_BYTES * s_codes_c))[None, :]
+        for byte in tl.static_range(GROUP_BYTES):
+            value = _group_sum(tl.where(within // PER_BYTE == byte, weighted, 0), RUNS_AXIS, GROUPS_FIRST)
+            tl.store(code_row + (code_at + byte * s_codes_c), value.to(tl.uint8), mask=mask)
 
     id_row = sids_ptr + item_value(items_ptr, item, IDS) + b * s_ids_b + h * s_ids_h + first * s_ids_t
     for t in tl.static_range(STAGES):
