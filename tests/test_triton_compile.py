@@ -26,7 +26,13 @@ from triton.backends.compiler import GPUTarget
 SM90 = GPUTarget("cuda", 90, 32)
 
 
-def assert_ieee_division(ptx: str) -> None:
+def assert_ieee_division(ptx: str, reciprocals: bool = False) -> None:
+    """No approximate division; with ``reciprocals``, but for ``1 / x`` (the codes kernel's per-group
+    reciprocals, which ``numerics.quotient`` turns into the IEEE quotient from within 2 ulps)."""
+    if reciprocals:
+        ones = set(re.findall(r"mov\.b32\s+(%r\d+), 0f3F800000;", ptx))
+        ptx = "\n".join(line for line in ptx.splitlines()
+                        if not (m := re.search(r"div\.full\.f32\s+%r\d+, (%r\d+),", line)) or m.group(1) not in ones)  # fmt: skip
     assert not re.search(r"div\.(full|approx)\.f32", ptx)
 
 
@@ -202,14 +208,17 @@ def residual_quantizer_compiles() -> None:
     for kernel in codes:
         usage = resource_usage(kernel)
         assert usage["LOCAL"] == 0 and usage["REG"] <= 128, usage  # no spills; at least 4 CTAs of 4 warps per SM
-        assert_ieee_division(kernel.asm["ptx"])
+        assert_ieee_division(kernel.asm["ptx"], reciprocals=True)
     ternary, int4_codes = codes[0].asm["ptx"], codes[2].asm["ptx"]
     assert len(re.findall(r"div\.rn\.f32", ternary)) <= 1, "ternary codes divide per element"  # the shift's
     # A thread holds whole groups (quantize.arrangement): the candidates' group sums take no shuffle.
     assert "shfl.sync" not in ternary, "a ternary group spans threads: the residual's axes do not match this Triton"
     # The e4m3 scale candidates round by the conversion instruction (numerics.round_scale), not bit arithmetic.
     assert "cvt.rn.satfinite.e4m3x2.f32" in ternary
-    assert len(re.findall(r"div\.rn\.f32", int4_codes)) > 1  # the general path keeps the reference's divisions
+    # The general levels divide by multiplying with the step's reciprocal (numerics.quotient): one per group a
+    # thread holds (two: 16 tokens x 2 groups spread over 128 threads) for each of 14 candidates and the codes.
+    assert len(re.findall(r"div\.rn\.f32", int4_codes)) <= 1, "INT4 codes divide per element"  # the shift's
+    assert len(re.findall(r"div\.full\.f32", int4_codes)) <= 2 * 15, "INT4 codes take a reciprocal per element"
 
 
 def kmeans_kernels_compile() -> None:

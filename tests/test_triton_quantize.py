@@ -12,7 +12,7 @@ from diffusers_qvg.codecs.groups import scale_candidates
 from diffusers_qvg.codecs.qvg import backend
 from diffusers_qvg.codecs.qvg.triton.encoder import quantize_residual_into
 from diffusers_qvg.codecs.qvg.triton import INTERPRETING
-from diffusers_qvg.codecs.qvg.triton.numerics import round_scale
+from diffusers_qvg.codecs.qvg.triton.numerics import quotient, round_scale
 from diffusers_qvg.metrics import rel_l2
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
@@ -200,3 +200,38 @@ def test_scale_rounding_equals_the_cast(fmt, software):
     out = torch.empty_like(v)
     _round_scale[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), top, fmt == torch.float8_e4m3fn, software, BLOCK=1024)
     assert torch.equal(out.view(torch.int32), v.clamp(max=top).to(fmt).float().view(torch.int32))
+
+
+@triton.jit
+def _quotient(a_ptr, b_ptr, inv_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a, b, inv = tl.load(a_ptr + at, mask=at < n), tl.load(b_ptr + at, mask=at < n), tl.load(inv_ptr + at, mask=at < n)
+    tl.store(out_ptr + at, quotient(a, b, inv), mask=at < n)
+
+
+def test_division_free_quotient_is_the_rounded_quotient():
+    """``numerics.quotient`` (the codes kernel's levels and scales without a division) is IEEE float32
+    division, bit for bit: for every 11-bit significand of ``b`` at both ends of its range and at the scale
+    divisors 3, 7 and 15, every ``a`` within 6 ulps of each level threshold ``+-(k + 1/2) b`` (k < 15), and
+    random quotients from 2^-26 to 2^20; with the reciprocal correctly rounded and off by up to 2 ulps (the
+    GPU's fast division)."""
+    gen = torch.Generator().manual_seed(0)
+    significands = 1 + torch.arange(1024, dtype=torch.float64) / 1024
+    b = torch.cat([significands * 2.0**e for e in (-61, -30, 0, 1, 2, 3, 30, 67)]).float()
+    m = torch.arange(15, dtype=torch.float32) + 0.5
+    thresholds = (b[:, None].double() * torch.cat([m, -m])[None, :]).float()  # exact: 16 bits at most
+    ulps = torch.arange(-6, 7, dtype=torch.int32)
+    a_near = (thresholds.view(torch.int32)[..., None] + ulps).view(torch.float32).reshape(-1)
+    b_near = b[:, None].expand(-1, thresholds.shape[1] * len(ulps)).reshape(-1)
+    b_rand = b[torch.randint(len(b), (1 << 20,), generator=gen)]
+    q = (torch.rand(1 << 20, generator=gen, dtype=torch.float64) * 2 - 1) * 2.0 ** torch.randint(-26, 21, (1 << 20,), generator=gen)
+    a_rand = (b_rand.double() * q).float()
+    a, b_all = torch.cat([a_near, a_rand]), torch.cat([b_near, b_rand])
+    expected = a / b_all
+    for off in (-2, -1, 0, 1, 2):
+        inv = ((1.0 / b_all).view(torch.int32) + off).view(torch.float32)
+        args = [t.contiguous().to(DEVICE) for t in (a, b_all, inv)]
+        out = torch.empty_like(args[0])
+        _quotient[(triton.cdiv(a.numel(), 1 << 16),)](*args, out, a.numel(), BLOCK=1 << 16)
+        assert torch.equal(out.cpu().view(torch.int32), expected.view(torch.int32)), off
+

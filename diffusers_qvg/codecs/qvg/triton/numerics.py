@@ -36,6 +36,25 @@ def pow2_at_least(v):
 
 
 @triton.jit
+def quotient(a, b, inv):
+    """``RN(a / b)`` without a division, from ``inv`` within a few ulps of ``1 / b`` (Markstein's correction:
+    ``y = RN(a inv)``, the remainder ``a - b y``, exact in a fused multiply-add, and ``RN(y + inv (a - b
+    y))``): three instructions where the IEEE division takes ~15, for ``b`` of at most 11 significant bits
+    (a float16 or e4m3 value times a power of two, or a small integer) in [2^-61, 2^67] and quotients of
+    magnitude at least 2^-26 (below, it is within a few ulps: every use rounds those to 0).
+
+    Why it is exact. No quotient is a midpoint of two float32 (one would be an odd 25-bit integer times the
+    odd significand of ``b``, a 24-bit ``a``), and ``|a - mu b|`` is a nonzero multiple of a power of two, so
+    ``a / b`` is at least ``ulp(a / b) 2^-13`` from every midpoint ``mu``; the unrounded ``y + inv (a - b y)``
+    is ``a / b + (a / b - y)(inv b - 1)``, off by a few ulps times ``~2^-22``, on the same side of every
+    midpoint, and the fused multiply-add rounds it to ``RN(a / b)``. The remainder is exact: at most a few
+    ulps of ``a``, a multiple of ``ulp(b) ulp(y) / 2 >= 2^-149`` in that range. tests/test_triton_numerics.py
+    checks every 11-bit significand at every level threshold, with ``inv`` exact and off by up to 2 ulps."""
+    y = a * inv
+    return tl.math.fma(tl.math.fma(-y, b, a), inv, y)
+
+
+@triton.jit
 def rint(v):
     """Round half to even, for |v| < 2^22 (the float32 magic-number trick; exact without fast-math)."""
     return (v + 12582912.0) - 12582912.0

@@ -55,7 +55,7 @@ import triton.language as tl
 
 from ..format import QVGPacked
 from . import INTERPRETING, as_bits, centroid_scale_operand
-from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, rint, round_scale, round_to_format
+from .numerics import clamp, exponent, f32_to_e4m3, pow2, pow2_at_least, quotient, rint, round_scale, round_to_format
 from .problems import CENT, CODES, CSCALE, IDS, SCALES, SHIFT, SLOT, TOKEN_START, ZEROS, Problems
 from .problems import grid_problem, item_value, operand_rows, problem_points, stage_points
 
@@ -156,10 +156,11 @@ def _scale(
     two, so dividing by it first is exact and gives the same float32 except where the quotient falls below
     the float32 normals, a value every scale format rounds to 0 either way (and the shift keeps ``extent /
     shift`` within a small multiple of ``fmt_max``: nothing overflows). A symmetric extent is ``max |r| >= 0``
-    (or NaN), so only the upper clamp can act and the sign needs no handling."""
+    (or NaN), so only the upper clamp can act and the sign needs no handling; quotients below 2^-26 round to 0
+    in either format."""
     v = alpha * shifted_extent
-    if QMAX != 1:
-        v = tl.math.div_rn(v, QMAX + 0.0)
+    if QMAX != 1:  # the reference's float32 quotient (numerics.quotient; 15, 7, 3 have 4 bits)
+        v = quotient(v, QMAX + 0.0, 1.0 / QMAX)
     if SYMMETRIC:
         return round_scale(v, FMT_MAX, MANTISSA == 3, INTERPRET)
     else:
@@ -173,13 +174,38 @@ def _ternary_threshold(step):
 
 
 @triton.jit
-def _levels(g, step, zero_f, LOW: tl.constexpr, QMAX: tl.constexpr):
-    """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0`` (the
-    ternary codes need no division: the module docstring). A zero (or NaN) step divides by infinity: a
-    finite ``g - zero`` gives +-0, level 0, with no per-element select. Clamping before rounding gives the
-    same integer (the bounds are integers) and keeps rint within its exact range."""
-    y = tl.math.div_rn(g - zero_f, tl.where(step > 0, step, float("inf")))
+def _reciprocal(step):
+    """``1 / step`` per group (the fast division, within 2 ulps: :func:`~.numerics.quotient` needs no more), 0
+    where ``step`` is 0 (or NaN): then :func:`_levels` gives level 0."""
+    return tl.where(step > 0, 1.0 / step, 0.0)
+
+
+@triton.jit
+def _levels(centered, step, inv, LOW: tl.constexpr, QMAX: tl.constexpr):
+    """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0``, from
+    ``centered = g - zero`` and ``inv ~ 1 / step`` (:func:`_reciprocal`), both lifted by a power of two
+    (:func:`_level_scale`) into :func:`~.numerics.quotient`'s range, which then gives the reference's
+    float32 quotient without a division. A zero step (``inv = 0``) gives 0. Clamping before rounding gives
+    the same integer (the bounds are integers) and keeps rint within its exact range."""
+    y = quotient(centered, step, inv)
     return rint(tl.minimum(tl.maximum(y, LOW + 0.0), QMAX + 0.0))
+
+
+@triton.jit
+def _level_scale(shift):
+    """The power of two that lifts a head's steps into :func:`_levels`' range: a nonzero step is a float16
+    (>= 2^-24) or e4m3 (>= 2^-9) scale times the shift (in [2^-126, 2^51]), rounded where it underflows
+    (so at least half of that); lifted so that the shift is at least 2^-36, it lies in [2^-61, 2^67]. The
+    quotient of the lifted operands is the same real number, and their rounded quotient the same float32;
+    ``g - zero`` (at most a few times the head's need, which the shift bounds) cannot overflow."""
+    return pow2(tl.maximum(-36 - exponent(shift), 0))
+
+
+@triton.jit
+def _lifted_levels(centered, lifted_step, LOW: tl.constexpr, QMAX: tl.constexpr, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
+    """:func:`_levels` of arranged ``centered`` for per-group steps [BLOCK, G_PAD] (one reciprocal per group)."""
+    inv = _spread(_reciprocal(lifted_step), RUNS_AXIS, GROUPS_FIRST)
+    return _levels(centered, _spread(lifted_step, RUNS_AXIS, GROUPS_FIRST), inv, LOW, QMAX)
 
 
 @triton.jit
@@ -281,6 +307,10 @@ def _residual_codes_kernel(
         extent = hi - zero_f
     shifted_extent = extent * inv_shift
 
+    if not TERNARY:  # the levels' operands: g - zero and the steps, lifted by a power of two (_level_scale)
+        lift = _level_scale(shift)
+        zero_fs = _spread(zero_f, RUNS_AXIS, GROUPS_FIRST)
+        centered = (g - zero_fs) * lift
     best_err = tl.zeros_like(hi)
     best_s = tl.zeros_like(hi)
     for j in tl.static_range(CANDIDATES):
@@ -289,8 +319,8 @@ def _residual_codes_kernel(
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
             diff = tl.minimum(tl.abs(g), tl.abs(tl.abs(g) - step))  # |g| as operand modifiers: g alone stays live
         else:
-            zero_fs = _spread(zero_f, RUNS_AXIS, GROUPS_FIRST)
-            diff = _level_error(g, _levels(g, step, zero_fs, LOW, QMAX), step, zero_fs, SYMMETRIC)
+            q = _lifted_levels(centered, s * shift * lift, LOW, QMAX, RUNS_AXIS, GROUPS_FIRST)
+            diff = _level_error(g, q, step, zero_fs, SYMMETRIC)
         err = _sum_of_squares(diff, RUNS_AXIS, GROUPS_FIRST, LANES)
         if j == 0:
             best_err, best_s = err, s
@@ -302,7 +332,7 @@ def _residual_codes_kernel(
     if TERNARY:  # the code, level + 1: 0, 1 or 2 (the module docstring's threshold)
         code = tl.where(tl.abs(g) > _ternary_threshold(best_step), tl.where(g > 0, 2, 0), 1)
     else:
-        code = (_levels(g, best_step, _spread(zero_f, RUNS_AXIS, GROUPS_FIRST), LOW, QMAX) - LOW).to(tl.int32)  # exact
+        code = (_lifted_levels(centered, best_s * shift * lift, LOW, QMAX, RUNS_AXIS, GROUPS_FIRST) - LOW).to(tl.int32)
 
     # The stores: nothing unless this item's write is clean.
     ok = True
