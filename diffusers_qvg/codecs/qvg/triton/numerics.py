@@ -37,21 +37,23 @@ def pow2_at_least(v):
 
 @triton.jit
 def quotient(a, b, inv):
-    """``RN(a / b)`` without a division, from ``inv`` within a few ulps of ``1 / b`` (Markstein's correction:
-    ``y = RN(a inv)``, the remainder ``a - b y``, exact in a fused multiply-add, and ``RN(y + inv (a - b
-    y))``): three instructions where the IEEE division takes ~15, for ``b`` of at most 11 significant bits
-    (a float16 or e4m3 value times a power of two, or a small integer) in [2^-61, 2^67] and quotients of
-    magnitude at least 2^-26 (below, it is within a few ulps: every use rounds those to 0).
+    """``RN(a / b)`` for ``b > 0`` without a division, from ``inv`` within 2 ulps of ``1 / b`` (Markstein's
+    correction: ``y = RN(a inv)``, the remainder ``b y - a``, exact in a fused multiply-add, and ``RN(y -
+    inv (b y - a))``): three instructions where the IEEE division takes ~15. Exact where ``b``'s
+    significand has at most 18 bits (the codes' steps: 11), ``b`` lies in [2^-61, 2^67] and the quotient's
+    magnitude is at least 2^-26; smaller quotients are within a few ulps, and every use rounds them to 0.
 
-    Why it is exact. No quotient is a midpoint of two float32 (one would be an odd 25-bit integer times the
-    odd significand of ``b``, a 24-bit ``a``), and ``|a - mu b|`` is a nonzero multiple of a power of two, so
-    ``a / b`` is at least ``ulp(a / b) 2^-13`` from every midpoint ``mu``; the unrounded ``y + inv (a - b y)``
-    is ``a / b + (a / b - y)(inv b - 1)``, off by a few ulps times ``~2^-22``, on the same side of every
-    midpoint, and the fused multiply-add rounds it to ``RN(a / b)``. The remainder is exact: at most a few
-    ulps of ``a``, a multiple of ``ulp(b) ulp(y) / 2 >= 2^-149`` in that range. tests/test_triton_numerics.py
-    checks every 11-bit significand at every level threshold, with ``inv`` exact and off by up to 2 ulps."""
+    Why. With ``b = B 2^beta``, ``B`` odd of k bits: no normal quotient is a midpoint ``mu`` of two float32
+    (``mu b`` would be an odd integer of at least 25 bits times a power of two, not a float32 ``a``), and
+    ``|a - mu b|`` is a nonzero multiple of a power of two, so ``a / b`` lies at least ``ulp(a / b)
+    2^-(k + 1)`` from every midpoint. The unrounded result is ``a / b + (y - a / b)(1 - inv b)``: with
+    ``|1 - inv b| <= 2^-22``, so ``|y - a / b| < 4.5`` ulps, it is off by less than that, on the same side of
+    every midpoint, and rounds to ``RN(a / b)``. The remainder, a few ulps of ``a`` and a multiple of
+    ``ulp(b) ulp(y) / 2 >= 2^-134`` in that range, is exact. (Subnormal quotients can be midpoints: there the
+    division is needed.) tests/test_triton_quantize.py checks every 11-bit significand at every level
+    threshold, with ``inv`` exact and off by 2 ulps."""
     y = a * inv
-    return tl.math.fma(tl.math.fma(-y, b, a), inv, y)
+    return tl.math.fma(-tl.math.fma(y, b, -a), inv, y)  # a zero keeps a's sign, as in the division
 
 
 @triton.jit

@@ -177,7 +177,7 @@ def _ternary_threshold(step):
 def _reciprocal(step):
     """``1 / step`` per group (the fast division, within 2 ulps: :func:`~.numerics.quotient` needs no more), 0
     where ``step`` is 0 (or NaN): then :func:`_levels` gives level 0."""
-    return tl.where(step > 0, 1.0 / step, 0.0)
+    return 1.0 / tl.where(step > 0, step, float("inf"))
 
 
 @triton.jit
