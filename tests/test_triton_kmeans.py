@@ -75,6 +75,26 @@ def test_update_is_the_cluster_mean_and_empty_clusters_keep_theirs():
     assert torch.equal(update_centroids(x, ids, old), new)  # same bits on a second run
 
 
+@pytest.mark.parametrize("scale", [2.0**-10, 2.0**-133])
+def test_update_means_are_the_float32_quotient(scale):
+    """Each mean is its members' sum divided by their count in float32, bit for bit, subnormal means (the
+    smaller scale) included: small integers times a power of two, so that every sum is exact."""
+    P, N, K = 2, 333, 150
+    g = torch.Generator().manual_seed(6)
+    x = (torch.randint(-50, 51, (P, N, 32), generator=g).float() * scale).to(DEVICE)
+    ids = torch.randint(0, K, (P, N), generator=g).to(DEVICE, torch.int32)
+    new = update_centroids(x, ids, points(P=P, N=K, D=32, seed=7)).cpu()
+    x, ids = x.cpu(), ids.cpu()
+    subnormal = 0
+    for p in range(P):
+        for k in ids[p].unique().tolist():
+            members = x[p][ids[p] == k]
+            expected = members.double().sum(0).float() / len(members)  # the exact sum, divided in float32
+            assert torch.equal(new[p, k].view(torch.int32), expected.view(torch.int32)), (p, k)
+            subnormal += int(((expected.abs() < 2.0**-126) & (expected != 0)).sum())
+    assert (subnormal > 0) == (scale < 2.0**-126)
+
+
 @pytest.mark.parametrize("skew", ["uniform", "one block", "one cluster"])
 def test_update_gathers_each_centroid_blocks_members(skew):
     """150 centroids: five programs of 32 per problem (the last partial), each summing only its members."""
