@@ -33,6 +33,10 @@ the value the codes use either way. So every element's error term is the same fl
 The scale candidates ``alpha extent / qmax / shift`` need no division either: ``/ 1`` is exact and dividing by a
 power of two is multiplying by its (exact) inverse, both the correctly rounded result of the same number.
 
+The other formats' levels divide by multiplying with each group's reciprocal step and correcting the
+quotient (:func:`~.numerics.quotient`), which gives the IEEE quotient exactly for these steps: no
+division per element either.
+
 Fused multiply-adds. The kernel compiles without implicit contraction, so that ``|r| - step`` stays one
 subtraction whose ``|r|`` is an operand modifier (contracted with the step's product, it became a fused
 multiply-add that cannot take one, and both ``r`` and ``|r|`` stayed live: spills). The one place it fuses
@@ -203,7 +207,8 @@ def _level_scale(shift):
 
 @triton.jit
 def _lifted_levels(centered, lifted_step, LOW: tl.constexpr, QMAX: tl.constexpr, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
-    """:func:`_levels` of arranged ``centered`` for per-group steps [BLOCK, G_PAD] (one reciprocal per group)."""
+    """:func:`_levels` of arranged ``centered`` for per-group steps [BLOCK, G_PAD] (one reciprocal per group):
+    ``lifted_step`` is the step as the reference rounds it (``s * shift``), then lifted (an exact product)."""
     inv = _spread(_reciprocal(lifted_step), RUNS_AXIS, GROUPS_FIRST)
     return _levels(centered, _spread(lifted_step, RUNS_AXIS, GROUPS_FIRST), inv, LOW, QMAX)
 
