@@ -163,7 +163,7 @@ def _scale(
     (or NaN), so only the upper clamp can act and the sign needs no handling; quotients below 2^-26 round to 0
     in either format."""
     v = alpha * shifted_extent
-    if QMAX != 1:  # the reference's float32 quotient (numerics.quotient; 15, 7, 3 have 4 bits)
+    if QMAX != 1:  # the reference's float32 quotient (numerics.quotient: 15, 7, 3 have at most 4 bits)
         v = quotient(v, QMAX + 0.0, 1.0 / QMAX)
     if SYMMETRIC:
         return round_scale(v, FMT_MAX, MANTISSA == 3, INTERPRET)
@@ -178,26 +178,8 @@ def _ternary_threshold(step):
 
 
 @triton.jit
-def _reciprocal(step):
-    """``1 / step`` per group (the fast division, within 2 ulps: :func:`~.numerics.quotient` needs no more), 0
-    where ``step`` is 0 (or NaN): then :func:`_levels` gives level 0."""
-    return 1.0 / tl.where(step > 0, step, float("inf"))
-
-
-@triton.jit
-def _levels(centered, step, inv, LOW: tl.constexpr, QMAX: tl.constexpr):
-    """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0``, from
-    ``centered = g - zero`` and ``inv ~ 1 / step`` (:func:`_reciprocal`), both lifted by a power of two
-    (:func:`_level_scale`) into :func:`~.numerics.quotient`'s range, which then gives the reference's
-    float32 quotient without a division. A zero step (``inv = 0``) gives 0. Clamping before rounding gives
-    the same integer (the bounds are integers) and keeps rint within its exact range."""
-    y = quotient(centered, step, inv)
-    return rint(tl.minimum(tl.maximum(y, LOW + 0.0), QMAX + 0.0))
-
-
-@triton.jit
 def _level_scale(shift):
-    """The power of two that lifts a head's steps into :func:`_levels`' range: a nonzero step is a float16
+    """The power of two that lifts a head's steps into :func:`~.numerics.quotient`'s range: a nonzero step is a float16
     (>= 2^-24) or e4m3 (>= 2^-9) scale times the shift (in [2^-126, 2^51]), rounded where it underflows
     (so at least half of that); lifted so that the shift is at least 2^-36, it lies in [2^-61, 2^67]. The
     quotient of the lifted operands is the same real number, and their rounded quotient the same float32;
@@ -206,11 +188,17 @@ def _level_scale(shift):
 
 
 @triton.jit
-def _lifted_levels(centered, lifted_step, LOW: tl.constexpr, QMAX: tl.constexpr, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
-    """:func:`_levels` of arranged ``centered`` for per-group steps [BLOCK, G_PAD] (one reciprocal per group):
-    ``lifted_step`` is the step as the reference rounds it (``s * shift``), then lifted (an exact product)."""
-    inv = _spread(_reciprocal(lifted_step), RUNS_AXIS, GROUPS_FIRST)
-    return _levels(centered, _spread(lifted_step, RUNS_AXIS, GROUPS_FIRST), inv, LOW, QMAX)
+def _levels(centered, lifted_step, LOW: tl.constexpr, QMAX: tl.constexpr, RUNS_AXIS: tl.constexpr, GROUPS_FIRST: tl.constexpr):
+    """The reference's ``clamp(round_half_even((g - zero) / step), low, qmax)``, 0 where ``step == 0``, for
+    arranged ``centered = g - zero`` and per-group steps [BLOCK, G_PAD], both lifted by a power of two
+    (:func:`_level_scale`; ``lifted_step`` is the step as the reference rounds it, ``s * shift``, then
+    lifted: an exact product) into :func:`~.numerics.quotient`'s range, which then gives the reference's
+    float32 quotient without a division. One reciprocal per group: the fast division (within 2 ulps, all
+    the quotient needs), of infinity where the step is 0 (or NaN), so that the level is 0. Clamping before
+    rounding gives the same integer (the bounds are integers) and keeps rint within its exact range."""
+    inv = _spread(1.0 / tl.where(lifted_step > 0, lifted_step, float("inf")), RUNS_AXIS, GROUPS_FIRST)
+    y = quotient(centered, _spread(lifted_step, RUNS_AXIS, GROUPS_FIRST), inv)
+    return rint(tl.minimum(tl.maximum(y, LOW + 0.0), QMAX + 0.0))
 
 
 @triton.jit
@@ -324,7 +312,7 @@ def _residual_codes_kernel(
         if TERNARY:  # |r - q step| is min(|r|, ||r| - step|), the same float32 (module docstring)
             diff = tl.minimum(tl.abs(g), tl.abs(tl.abs(g) - step))  # |g| as operand modifiers: g alone stays live
         else:
-            q = _lifted_levels(centered, s * shift * lift, LOW, QMAX, RUNS_AXIS, GROUPS_FIRST)
+            q = _levels(centered, s * shift * lift, LOW, QMAX, RUNS_AXIS, GROUPS_FIRST)
             diff = _level_error(g, q, step, zero_fs, SYMMETRIC)
         err = _sum_of_squares(diff, RUNS_AXIS, GROUPS_FIRST, LANES)
         if j == 0:
@@ -337,7 +325,7 @@ def _residual_codes_kernel(
     if TERNARY:  # the code, level + 1: 0, 1 or 2 (the module docstring's threshold)
         code = tl.where(tl.abs(g) > _ternary_threshold(best_step), tl.where(g > 0, 2, 0), 1)
     else:
-        code = (_lifted_levels(centered, best_s * shift * lift, LOW, QMAX, RUNS_AXIS, GROUPS_FIRST) - LOW).to(tl.int32)
+        code = (_levels(centered, best_s * shift * lift, LOW, QMAX, RUNS_AXIS, GROUPS_FIRST) - LOW).to(tl.int32)
 
     # The stores: nothing unless this item's write is clean.
     ok = True
