@@ -4,7 +4,9 @@ The Wan2.1-T2V-1.3B geometry (30 layers, 12 heads of 128, dim 1536, ffn 8960, 48
 frame) with seeded random weights (time and memory do not depend on them) and text embeddings of the right
 shape ([1, 512, 4096]). For each video length (21 and 42 latent frames) and each setting, in one run: the
 median seconds per chunk over a warm run, the cache's resident bytes against the BF16 bytes of the same
-frames, and the peak GPU memory. The pipeline stores only each chunk's clean-context pass.
+frames, and the peak GPU memory. The pipeline stores only each chunk's clean-context pass. On a GPU the last
+chunk of each video runs under the PyTorch profiler instead (outside the median): its device time by kernel
+family (the window read, the encoder, the rest) says where the overhead over the anchor goes.
 
 The anchor is the plain BF16 cache a Self-Forcing user runs: rotated keys stored as they are, nothing rotated
 on read, attended in place (``kv_cache="bf16", keys_before_rope=False``: ``CacheConfig.in_place``; the same
@@ -39,7 +41,7 @@ import torch
 import torch.distributed as dist
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
-from diffusers_qvg import enable_ulysses
+from diffusers_qvg import device_times, enable_ulysses
 
 from diffusers_qvg.pipelines import (
     QVGCausalWanPipeline,
@@ -77,9 +79,10 @@ def build_pipeline(small: bool, device: torch.device, dtype: torch.dtype) -> QVG
 
 
 def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, text: torch.Tensor,
-              device: torch.device) -> dict:
+              device: torch.device, profile: bool = True) -> dict:
     """One video of ``setting`` = (storage, keys before RoPE, keep_recent_chunks); returns the median seconds per
-    chunk, the cache's bytes and the peak GPU memory."""
+    chunk (with ``profile`` the last one excepted: it runs under the profiler, for its device time by kernel
+    family), the cache's bytes and the peak GPU memory."""
     storage, keys_before_rope, keep = setting
     cuda = device.type == "cuda"
     if cuda:
@@ -89,9 +92,12 @@ def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, te
                          num_frames=1 + 4 * (latent_frames - 1), kv_cache=storage, keep_recent_chunks=keep,
                          keys_before_rope=keys_before_rope, window_frames=args.window_frames, output_type="latent",
                          generator=torch.Generator().manual_seed(0))
-    seconds = []
+    seconds, events, chunks = [], [], stream.num_chunks
     with stream:
-        while not stream.done:
+        for i in range(chunks):
+            if profile and i and i == chunks - 1:  # the last chunk (the fullest window) under the profiler, outside the median
+                events = device_times.device_events(stream.next_chunk)
+                break
             start = time.perf_counter()
             stream.next_chunk()
             if cuda:
@@ -105,8 +111,9 @@ def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, te
         compiled=pipe._keep_cache,
         ulysses=args.ulysses,
         latent_frames=latent_frames,
-        chunks=len(seconds),
+        chunks=chunks,
         seconds_per_chunk=statistics.median(seconds),
+        last_chunk_device=device_times.by_family(events, device_times.qvg_families()) if events else None,
         kv_bytes=report.cache,
         total_bytes=report.total,
         bf16_bytes=report.bf16_equivalent,
@@ -115,10 +122,11 @@ def run_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, te
     )
 
 
-def guarded_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, text, device) -> dict:
+def guarded_video(pipe, setting: tuple[str, bool, int], latent_frames: int, args, text, device,
+                  profile: bool = True) -> dict:
     """:func:`run_video`, or the row of its failure (one failing setting must not cost the others)."""
     try:
-        return run_video(pipe, setting, latent_frames, args, text, device)
+        return run_video(pipe, setting, latent_frames, args, text, device, profile)
     except Exception as error:
         storage, keys_before_rope, keep = setting
         return dict(storage=storage, keys_before_rope=keys_before_rope, keep_recent_chunks=keep,
@@ -158,6 +166,28 @@ def compare(rows: list[dict]) -> list[str]:
             meets = "yes" if ratio >= KV_RATIO_TARGET else "no"
         lines.append(f"{head} {r['seconds_per_chunk']:.4f} | {vs} | {overhead} | {r['kv_bytes'] / mib:.1f} | "
                      f"{ratio:.2f}x | {meets} | {peak} | {drop} |")
+    return lines
+
+
+def device_lines(rows: list[dict]) -> list[str]:
+    """Markdown rows: the last chunk's device time by kernel family (PyTorch profiler), and the total over the
+    plain BF16 anchor's of the same length and compile state: where the overhead goes. Empty without CUDA."""
+    rows = [r for r in rows if r["error"] is None and r["last_chunk_device"] is not None]
+    if not rows:
+        return []
+    anchors = {(r["latent_frames"], r["compiled"]): r for r in rows if is_anchor(r)}
+    families = list(rows[0]["last_chunk_device"])
+    lines = ["| latent frames | compiled | storage | keys stored | recent chunks | "
+             + " | ".join(f"{f} ms (launches)" for f in families) + " | total over the anchor's |",
+             "|---|---|---|---|---|" + "---|" * (len(families) + 1)]
+    for r in rows:
+        device = r["last_chunk_device"]
+        anchor = anchors.get((r["latent_frames"], r["compiled"]))
+        over = (f"{device['total']['us'] - anchor['last_chunk_device']['total']['us']:+.0f} us" if anchor else "n/a")
+        lines.append(f"| {r['latent_frames']} | {'yes' if r['compiled'] else 'no'} | {r['storage']} | "
+                     f"{'before RoPE' if r['keys_before_rope'] else 'rotated'} | {r['keep_recent_chunks']} | "
+                     + " | ".join(f"{device[f]['us'] / 1e3:.3f} ({device[f]['launches']})" for f in families)
+                     + f" | {over} |")
     return lines
 
 
@@ -208,7 +238,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     settings = settings_for(args.storages, args.keep_recent_chunks)
     if not args.small:  # warm-up: kernels, allocator, k-means paths (a failure shows in its rows)
         for setting in settings:
-            guarded_video(pipe, setting, 3 * 3, args, text, device)
+            guarded_video(pipe, setting, 3 * 3, args, text, device, profile=False)
     rows = [guarded_video(pipe, setting, f, args, text, device) for f in args.frames for setting in settings]
     if args.compile is not None:
         # Each setting compiles its own graphs (its storage and key layout are traced constants): up to four
@@ -219,7 +249,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             compile_kwargs["backend"] = "aot_eager"  # the CPU's inductor takes minutes: a smoke run of the path
         pipe.compile_transformer(**compile_kwargs)
         for setting in settings:  # warm-up that compiles: the window of the longest video, filling and full
-            guarded_video(pipe, setting, max(args.frames), args, text, device)
+            guarded_video(pipe, setting, max(args.frames), args, text, device, profile=False)
         rows += [guarded_video(pipe, setting, f, args, text, device) for f in args.frames for setting in settings]
 
     if args.ulysses > 1 and dist.get_rank() != 0:
@@ -229,6 +259,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"bench_e2e on {name}, {'tiny' if args.small else 'Wan2.1-1.3B'} geometry, {args.height}x{args.width}, "
           f"{dtype}{ranks}; {TARGETS}")
     print("\n".join(compare(rows)))
+    device = device_lines(rows)
+    print("\nThe last chunk's device time by kernel family (PyTorch profiler; that chunk is outside the medians):\n"
+          + "\n".join(device) if device else "\n(no CUDA: no device times by kernel family)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

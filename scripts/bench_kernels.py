@@ -101,6 +101,27 @@ class Table:
             self.add(section, name, self.timer(fn), **fields)
 
 
+def launch_rows(table: Table, call: str, fn: Callable[[], object], repeats: int) -> None:
+    """Rows "launches": each kernel of ``fn`` with its median device time (PyTorch profiler, ``repeats`` runs
+    after ``table.time``'s warm-up), then their sum, which the call's row less launch gaps should match: on a
+    GPU this checks the static sm_90 estimates (docs/benchmarks.md) launch by launch. Without CUDA nothing
+    runs on a device, and the one row says so."""
+    from diffusers_qvg import device_times  # after main() has set TRITON_INTERPRET
+
+    name = f"{call}: device time per launch"
+    with table.guard("launches", name):
+        runs = [device_times.device_events(fn) for _ in range(min(repeats, 10))]
+        launches = device_times.launch_medians(runs)
+        if not launches:
+            table.add("launches", name, None, note="not run: no CUDA device, so no device kernels to profile")
+            return
+        for i, (kernel, us) in enumerate(launches):
+            table.add("launches", f"{call}: launch {i + 1} of {len(launches)}, {kernel}", us / 1e3,
+                      note=f"device time, median of {len(runs)} profiled runs")
+        table.add("launches", f"{call}: the {len(launches)} launches' device times, summed",
+                  sum(us for _, us in launches) / 1e3, note="against the call's row: the rest is launch gaps")
+
+
 @contextmanager
 def ternary_codes_tile(tokens: int | None) -> Iterator[None]:
     """The codes kernel at ``tokens`` ternary tokens per program while the block runs (None: as shipped)."""
@@ -232,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
 
                 table.time("quantize", f"{name}{lever}: a layer group's K and V (3 layers), one quantize_batch_into call (ours)",
                            group_write, note="the clean pass's call per group of 3 layers: x 10 per chunk at 30 layers")
+                if not lever:
+                    launch_rows(table, f"{name}: a layer group's K and V", group_write, repeats)
             storage = config.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
             config.quantize_into(storage, x, token_start=0, slot=0)  # ids and centroids for the residual kernels
             alphas = scale_fractions(config.scale_search, device)

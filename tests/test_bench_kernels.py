@@ -36,7 +36,14 @@ def test_small_run_prints_the_table_and_json(tmp_path):
         assert "| failed |" in result.stdout and "ERROR AssertionError" in result.stdout
     later = report["rows"][report["rows"].index(flash) + 1:]
     assert [r["section"] for r in later].count("dequantize") == 8
-    assert all(r["ms"] > 0 and r["error"] is None for r in report["rows"] if r is not flash)
+    launches = [r for r in report["rows"] if r["section"] == "launches"]
+    if not torch.cuda.is_available():  # the interpreter runs nothing on a device: one row says so
+        assert [(r["name"], r["ms"], r["note"]) for r in launches] == [
+            ("qvg-int2: a layer group's K and V: device time per launch", None,
+             "not run: no CUDA device, so no device kernels to profile")]
+    else:  # the encoder's launches, each timed, then their sum
+        assert len(launches) >= 3 and launches[-1]["ms"] == pytest.approx(sum(r["ms"] for r in launches[:-1]))
+    assert all(r["ms"] > 0 and r["error"] is None for r in report["rows"] if r is not flash and r not in launches)
     assert next(r for r in report["rows"] if r["name"].startswith("copy roofline"))["fraction_of_copy"] == pytest.approx(1.0)
 
 

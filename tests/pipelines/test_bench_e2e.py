@@ -39,6 +39,26 @@ def test_bench_e2e_small(tmp_path, capsys):
     assert "| 9 | no | qvg-int2 | before RoPE | 1 |" in table and "| 9 | no | qvg-int2 | before RoPE | 0 |" in table
     assert "| 9 | no | int3 | before RoPE | 0 | failed: ValueError: unknown KV cache storage 'int3'" in table
     assert "| 1.000x | +0.0% |" in table and "| anchor |" in table and ">= 6.5x" in table
+    # The CPU runs nothing on a device: no breakdown by kernel family, and the table says so.
+    assert all(r["last_chunk_device"] is None for r in rows) and "(no CUDA: no device times by kernel family)" in table
+
+
+def test_device_lines_split_the_last_chunk_by_family_against_the_anchor():
+    bench = load()
+
+    def row(storage, keys_before_rope, read_us, encoder_us, other_us):
+        families = {"qvg window read": read_us, "qvg encoder": encoder_us, "other": other_us}
+        device = {f: dict(us=us, launches=int(us > 0)) for f, us in families.items()}
+        device["total"] = dict(us=sum(families.values()), launches=sum(d["launches"] for d in device.values()))
+        return dict(storage=storage, keys_before_rope=keys_before_rope, keep_recent_chunks=0, compiled=False,
+                    latent_frames=21, error=None, last_chunk_device=device)
+
+    lines = bench.device_lines([row("bf16", False, 0, 0, 480_000), row("qvg-int2", True, 7_500, 2_900, 480_100)])
+    assert lines[0].startswith("| latent frames | compiled | storage | keys stored | recent chunks | qvg window read ms")
+    assert lines[2] == "| 21 | no | bf16 | rotated | 0 | 0.000 (0) | 0.000 (0) | 480.000 (1) | 480.000 (1) | +0 us |"
+    assert lines[3] == ("| 21 | no | qvg-int2 | before RoPE | 0 | 7.500 (1) | 2.900 (1) | 480.100 (1) | 490.500 (3) "
+                        "| +10500 us |")
+    assert bench.device_lines([dict(row("bf16", False, 0, 0, 1), last_chunk_device=None)]) == []
 
 
 def test_bench_e2e_small_compiled_rows(capsys):
