@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from launch_counts import counting_launches
+from launch_counts import counting_launches, launch_arguments
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.groups import scale_candidates
@@ -176,6 +176,39 @@ def test_a_batch_launches_a_fixed_number_of_kernels(config):
             counts.append(len(launches_of(lambda: config.quantize_batch_into([(s, x, 0, 0) for s in storages]))))
     assert counts == [launch_count(config)] * 3
     assert launch_count(dq.QVGConfig()) == 14  # issue 8: at most 6 per layer, 3 layers per call
+
+
+def test_launches_that_read_every_point_alternate_their_order_over_the_problems():
+    """Each launch that reads all the points takes the problems in the reverse order of the one before (it
+    starts on those the last one left in L2); the strided init and the rounding read a few rows, forwards."""
+    x, config = chunk(N=9, H=2, B=1), dq.QVGConfig(num_centroids=4)
+    storages = [allocate(config, x) for _ in range(2)]
+    with backend("triton"), launch_arguments("reverse") as launches:
+        config.quantize_batch_into([(s, x, 0, 0) for s in storages])
+    assign, update = "_assign_kernel", "_centroid_update_kernel"
+    assert launches == [(update, 0), *[(assign, 0), (update, 1)] * 5, ("_centroid_round_kernel", 0), (assign, 0),
+                        ("_residual_codes_kernel", 1)]
+
+
+@pytest.mark.parametrize("config", [dq.QVGConfig(num_centroids=4, kmeans_iters=2),
+                                    dq.QVGConfig(bits=4, symmetric=False, num_centroids=3, stages=2, kmeans_iters=1)])
+def test_the_order_over_the_problems_changes_no_byte(config, monkeypatch):
+    """Every kernel stores the same bytes whichever order its programs take the problems in (several items,
+    batch rows and heads: a program's problem is a bijection of the grid)."""
+    from diffusers_qvg.codecs.qvg.triton.problems import Problems
+
+    k, v = chunk(N=11, H=3, B=2, seed=6), chunk(N=11, H=3, B=2, seed=7)
+    results = []
+    for order in (None, 0, 1):  # alternating (shipped), all forwards, all backwards
+        if order is not None:
+            monkeypatch.setattr(Problems, "sweep", lambda self, order=order: order)
+        storages = [allocate(config, k) for _ in range(2)]
+        with backend("triton"):
+            config.quantize_batch_into([(storages[0], k, 0, 0), (storages[1], v, 0, 0)])
+        results.append(storages)
+    for other in results[1:]:
+        for expected, actual in zip(results[0], other):
+            assert_same_bytes(expected, actual)
 
 
 @pytest.mark.parametrize("value, message", [

@@ -45,9 +45,9 @@ def _max_keeping_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
-@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "reverse", "s_x_b"])
 def _assign_kernel(
-    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch, reverse,
     s_x_b, s_x_t, s_x_h, s_x_d,
     cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, need_ptr, magnitude_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, SOURCE: tl.constexpr,
@@ -55,7 +55,7 @@ def _assign_kernel(
     NEED: tl.constexpr, CHECK: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p, item, b, h = grid_problem(heads, batch)
+    p, item, b, h = grid_problem(heads, batch, reverse)
     tokens = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = tokens < n_points
     cols = tl.arange(0, D_PAD)[None, :]
@@ -166,7 +166,7 @@ def launch_assign(
     D = pr.head_dim
     block_n, block_k, warps = TILES[mode]
     _assign_kernel[pr.grid(triton.cdiv(pr.tokens, block_n))](
-        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
+        *pr.point_args(pr.sweep()), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, SOURCE=source,
         ROUND=rounding, POINTS_EXACT=points_exact, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=pr.centroids % block_k == 0, INTERPRET=INTERPRETING, num_stages=1, num_warps=warps, enable_fp_fusion=False,

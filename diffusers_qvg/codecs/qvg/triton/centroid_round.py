@@ -29,16 +29,16 @@ def _e4m3_value(c, scale):
     return round_to_format(c * pow2(-exponent(scale)), 3, -6)
 
 
-@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "reverse", "s_x_b"])
 def _centroid_round_kernel(
-    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch, reverse,
     s_x_b, s_x_t, s_x_h, s_x_d,
     cent_ptr, s_c_p, s_c_k, s_c_d, out_ptr, need_ptr, magnitude_ptr, op_ptr, norm_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, FROM_POINTS: tl.constexpr, E4M3: tl.constexpr,
     OPERANDS: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, SOFTWARE_BF16: tl.constexpr,
     BLOCK_K: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p, item, b, h = grid_problem(heads, batch)
+    p, item, b, h = grid_problem(heads, batch, reverse)
     tl.store(need_ptr + p, 0.0)  # the final assignment folds the head's scale need into it
     tl.store(magnitude_ptr + item, 0.0, mask=(b == 0) & (h == 0))  # and each item's magnitude
     cols = tl.arange(0, D_PAD)[None, :]

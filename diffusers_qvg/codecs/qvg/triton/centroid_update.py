@@ -63,9 +63,9 @@ def _add_members(acc, hit, points, EXACT: tl.constexpr, INTERPRET: tl.constexpr)
         return exact_dot(tl.trans(rest - middle), hit, acc, "bf16", INTERPRET)  # the last 8 bits: exact in bf16
 
 
-@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "reverse", "s_x_b"])
 def _centroid_update_kernel(
-    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch, reverse,
     s_x_b, s_x_t, s_x_h, s_x_d,
     cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, members_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, INIT: tl.constexpr, EXACT: tl.constexpr,
@@ -73,7 +73,7 @@ def _centroid_update_kernel(
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_SCAN: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p, item, b, h = grid_problem(heads, batch)
+    p, item, b, h = grid_problem(heads, batch, reverse)
     k0 = tl.program_id(0) * BLOCK_K
     ks = k0 + tl.arange(0, BLOCK_K)
     k_mask = ks < n_centroids
@@ -147,7 +147,7 @@ def launch_update(problems: Problems, stage: int, *, init: bool = False, operand
     D = pr.head_dim
     blocks = triton.cdiv(pr.centroids, BLOCK_CENTROIDS)
     _centroid_update_kernel[pr.grid(blocks)](
-        *pr.point_args(), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.member_rows(blocks),
+        *pr.point_args(0 if init else pr.sweep()), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.member_rows(blocks),
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, INIT=init,
         OPERANDS=operands is not None, PRECISION=operands or "tf32x3",
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,

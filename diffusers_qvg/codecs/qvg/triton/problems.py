@@ -56,6 +56,7 @@ class Problems:
     need: torch.Tensor  # float32 [P]: each head's largest scale need (before its shift)
     magnitude: torch.Tensor  # float32 [I]: each item's largest |x| (+inf if any value is NaN/Inf), for the check
     x_align: int = 1  # elements every problem's first point is aligned to (see alignment())
+    sweeps: int = 0  # launches so far that read every problem's points (see sweep())
     members: torch.Tensor | None = None  # int32 [P * centroid blocks, N]: the update's compacted tokens
 
     @property
@@ -83,12 +84,23 @@ class Problems:
         """A launch grid of ``blocks`` programs per problem (:func:`grid_problem` reads it)."""
         return blocks, self.heads, self.batch_rows
 
-    def point_args(self) -> tuple:
-        """The arguments every encoder kernel starts with (see :func:`stage_points`)."""
+    def point_args(self, reverse: int = 0) -> tuple:
+        """The arguments every encoder kernel starts with (see :func:`stage_points`); ``reverse`` (0 or 1, from
+        :meth:`sweep`) is the order its programs take the problems in (:func:`grid_problem`)."""
         return (
             self.x, self.items, self.ids, self.tables, self.table_scales,
-            self.tokens, self.centroids, self.count, self.heads, self.batch, *self.x_strides,
+            self.tokens, self.centroids, self.count, self.heads, self.batch, reverse, *self.x_strides,
         )  # fmt: skip
+
+    def sweep(self) -> int:
+        """The order of the next launch that reads every problem's points: the reverse of the previous such
+        launch's. A GPU starts a launch's programs in grid order, so a launch ends on the problems whose
+        points are the newest in L2, and the next one, run backwards, starts on them: a layer group's K and V
+        (86 MB at Wan2.1-1.3B, 3 layers) is more than an H200's 60 MB of L2, which a pass in one order would
+        evict ahead of every read (docs/benchmarks.md, "The encoder's memory traffic")."""
+        order = self.sweeps % 2
+        self.sweeps += 1
+        return order
 
     def check_offsets(self) -> None:
         """Per-element offsets in the kernels are int32: a problem's points must span less than 2^31 elements;
@@ -172,12 +184,15 @@ def points_problems(x: torch.Tensor, num_centroids: int, precision: str = "tf32x
 
 
 @triton.jit
-def grid_problem(heads, batch):
+def grid_problem(heads, batch, reverse):
     """(p, item, b, h) of this program on a problem grid (:meth:`Problems.grid`: axis 1 the head, axis 2 the
     item and batch row; problems are item-major, then batch, then head), with ``p`` int64: one integer
-    division per program, where splitting a flat problem index takes three."""
+    division per program, where splitting a flat problem index takes three. With ``reverse`` (1) the grid
+    takes the problems last first (:meth:`Problems.sweep`)."""
     h = tl.program_id(1)
     ib = tl.program_id(2)
+    h += reverse * (heads - 1 - 2 * h)
+    ib += reverse * (tl.num_programs(2) - 1 - 2 * ib)
     item = ib // batch
     return ib.to(tl.int64) * heads + h, item, ib - item * batch, h
 

@@ -237,9 +237,9 @@ def _gated(mask, ok):
     return tl.where(ok, mask, False)
 
 
-@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "s_x_b"])
+@triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "reverse", "s_x_b"])
 def _residual_codes_kernel(
-    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch,
+    x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch, reverse,
     s_x_b, s_x_t, s_x_h, s_x_d,
     op_ptr, need_ptr, alpha_ptr, allowed_ptr, tbits_ptr,
     codes_ptr, scales_ptr, zeros_ptr, sids_ptr, scent_ptr, scscale_ptr, shift_ptr,
@@ -257,7 +257,7 @@ def _residual_codes_kernel(
     TOKEN_AXIS: tl.constexpr, GROUP_AXIS: tl.constexpr,
     BLOCK: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
 ):
-    p, item, b, h = grid_problem(heads, batch)
+    p, item, b, h = grid_problem(heads, batch, reverse)
     tokens = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     row_mask = tokens < n_points
     G_PAD: tl.constexpr = D_PAD // GROUP
@@ -449,7 +449,7 @@ def launch_codes(
     d_pad = triton.next_power_of_2(D)
     token_axis, group_axis = arrangement(block * (d_pad // cfg.group_size) >= 32 * WARPS)
     _residual_codes_kernel[pr.grid(triton.cdiv(pr.tokens, block))](
-        *pr.point_args(), pr.operands, pr.need, alphas, allowed if allowed is not None else pr.need,
+        *pr.point_args(pr.sweep()), pr.operands, pr.need, alphas, allowed if allowed is not None else pr.need,
         as_bits(pr.tables), storage.codes, as_bits(storage.scales), as_bits(zeros), storage.ids,
         as_bits(storage.centroids), cscale, storage.scale_shift,
         *storage.codes.stride(), *storage.scales.stride(), *zeros.stride(), *storage.ids.stride(),
