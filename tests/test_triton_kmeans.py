@@ -125,6 +125,55 @@ def test_lloyd_matches_flash_kmeans_torch_fallback():
     assert torch.equal(lloyd(x, init, 0), init)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lloyd_with_incremental_updates_is_the_reference_lloyd(dtype):
+    """Updates 2 on change only the clusters whose tokens moved (the kept sums, plus joiners, minus leavers):
+    Lloyd still matches the reference's, which averages afresh each time. Points near a plane in 32
+    dimensions, 40 centroids from the first points: 40-60 tokens move at iteration 2, still a few at 6."""
+    from diffusers_qvg.codecs.qvg.kmeans import lloyd as reference_lloyd
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 200, 2, generator=g) @ torch.randn(2, 2, 32, generator=g) + 0.01 * torch.randn(2, 200, 32, generator=g)
+    x = x.to(dtype).to(DEVICE)
+    init = x[:, :40].float()
+    for iters in (2, 6):
+        expected = reference_lloyd(x.float(), init, iters, "bf16")
+        torch.testing.assert_close(lloyd(x, init, iters, "bf16"), expected, rtol=0, atol=2e-5)
+
+
+def test_an_incremental_update_empties_and_refills_clusters():
+    """Three updates of one problem (two programs: 32 + 8 centroids; 2,500 tokens: three blocks of the ids'
+    scan) under given ids: full, then two incremental ones where clusters 3 and 35 lose every token and 3 gets
+    some back. Each time every cluster is its tokens' mean, an empty one keeps its centroid, and the kept
+    sizes are the counts."""
+    from diffusers_qvg.codecs.qvg.triton.centroid_update import launch_update
+    from diffusers_qvg.codecs.qvg.triton.problems import points_problems
+
+    N, K = 2500, 40
+    x = points(P=1, N=N, D=32)
+    g = torch.Generator().manual_seed(9)
+    a = torch.randint(0, K, (1, N), generator=g)
+    a[0, :6] = torch.tensor([3, 3, 35, 35, 3, 35])
+    b = a.clone()
+    b[b == 3], b[b == 35] = 5, 36  # emptied, their tokens moved within and across the programs
+    c = b.clone()
+    c[0, [0, 1, 2000]] = 3  # refilled
+    pr = points_problems(x, K, "bf16")
+    pr.working.copy_(points(P=1, N=K, D=32, seed=10))
+    previous, _, counts = pr.lloyd_scratch()
+    for i, ids in enumerate((a, b, c)):
+        previous.copy_(pr.ids[0])  # as each Lloyd assignment keeps the ids it replaces
+        pr.ids[0].copy_(ids.to(DEVICE, torch.int32))
+        old = pr.working.clone()
+        launch_update(pr, 0, delta=i > 0, operands="bf16")
+        expected = old.double().clone()
+        for k in ids[0].unique().tolist():
+            expected[0, k] = x[0][ids[0] == k].double().mean(0)
+        torch.testing.assert_close(pr.working.double(), expected, rtol=0, atol=1e-6)
+        assert torch.equal(counts[0].cpu(), torch.bincount(ids[0], minlength=K).int())
+    assert (b == 3).sum() == 0 and (c == 3).sum() == 3
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_lloyd_at_self_forcing_size_is_deterministic_and_agrees_with_flash_kmeans():

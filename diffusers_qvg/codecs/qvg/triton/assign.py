@@ -49,7 +49,7 @@ def _max_keeping_nan(a, b):
 def _assign_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch, reverse,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, need_ptr, magnitude_ptr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, need_ptr, magnitude_ptr, prev_ptr,
     D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, ASSIGN: tl.constexpr, SOURCE: tl.constexpr,
     ROUND: tl.constexpr, POINTS_EXACT: tl.constexpr, FORMAT: tl.constexpr, CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr,
     NEED: tl.constexpr, CHECK: tl.constexpr, GROUP: tl.constexpr, SYMMETRIC: tl.constexpr, QMAX: tl.constexpr,
@@ -73,6 +73,10 @@ def _assign_kernel(
         # One NaN-propagating max per element (masked lanes load 0); a NaN found counts as +inf.
         magnitude = tl.reduce(tl.reduce(tl.abs(x), 1, _max_keeping_nan), 0, _max_keeping_nan)
         tl.atomic_max(magnitude_ptr + item, tl.where(magnitude != magnitude, float("inf"), magnitude))
+    ids_at = ids_ptr + (STAGE * n_problems + p) * n_points + tokens
+    if ASSIGN == "lloyd":  # the ids this assignment replaces, for the next update's changes (centroid_update)
+        tl.store(prev_ptr + p * n_points + tokens, tl.load(ids_at, mask=row_mask), mask=row_mask)
+        tl.debug_barrier()  # read by every thread before any thread stores its new ids below
     if ASSIGN != "none":
         a = points if POINTS_EXACT else lloyd_operand(points, ROUND)
         best = tl.full([BLOCK_N], float("inf"), tl.float32)
@@ -115,7 +119,7 @@ def _assign_kernel(
             best_id = tl.where(better, block_id, best_id)
         # In range even for NaN/Inf points, whose scores may pick a masked centroid (such a write is refused).
         best_id = tl.minimum(best_id, n_centroids - 1)
-        tl.store(ids_ptr + (STAGE * n_problems + p) * n_points + tokens, best_id, mask=row_mask)
+        tl.store(ids_at, best_id, mask=row_mask)
         if NEED and ASSIGN == "final" and SOURCE == "operands":  # the decoded table, exactly: no decode, no scale
             points = points - operand_rows(op_ptr, p, best_id[:, None], row_mask[:, None], cols, col_mask, n_centroids, D)
         elif NEED:
@@ -149,6 +153,7 @@ def launch_assign(
     ``"final"`` against the stage's rounded table, with exact products where the formats allow (decoded here,
     or as the rounding kernel left it decoded, with its norms: ``source="operands"``);
     ``"none"``: no assignment, only the scale needs of the points with every stage subtracted.
+    A Lloyd assignment first keeps the ids it replaces in ``problems.previous`` (the next update's changes).
     ``need = (group_size, symmetric, qmax)`` folds the residuals' scale needs into ``problems.need``, and
     ``check`` each item's largest magnitude into ``problems.magnitude`` (both zeroed by the rounding kernel,
     or by the caller).
@@ -165,8 +170,10 @@ def launch_assign(
     group, symmetric, qmax = need if need is not None else (pr.head_dim, True, 1)
     D = pr.head_dim
     block_n, block_k, warps = TILES[mode]
+    previous = pr.lloyd_scratch()[0] if mode == "lloyd" else pr.need  # (a dummy the other modes never touch)
     _assign_kernel[pr.grid(triton.cdiv(pr.tokens, block_n))](
         *pr.point_args(pr.sweep()), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.need, pr.magnitude,
+        previous,
         D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, ASSIGN=mode, SOURCE=source,
         ROUND=rounding, POINTS_EXACT=points_exact, FORMAT=fmt, NEED=need is not None, CHECK=check, GROUP=group, SYMMETRIC=symmetric, QMAX=qmax,
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=pr.centroids % block_k == 0, INTERPRET=INTERPRETING, num_stages=1, num_warps=warps, enable_fp_fusion=False,

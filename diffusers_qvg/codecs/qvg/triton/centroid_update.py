@@ -9,6 +9,14 @@ multiplies about ``N / (K / BLOCK_CENTROIDS)`` points, not all ``N``: the one-ho
 ``2 N BLOCK_CENTROIDS D`` per problem instead of ``2 N K D``, and the points are read about once in all
 (docs/benchmarks.md, "The compacted update").
 
+Updates after a stage's first are incremental (``DELTA``): few tokens change cluster once Lloyd has started
+(9% a step on video-derived K/V, ``scripts/kmeans_moves.py``), and reading every point per update makes it
+memory-bound. An update that another iteration follows keeps its clusters' float32 sums and int32 sizes;
+each Lloyd assignment keeps the ids it replaces; the next update compacts only the tokens whose id changed
+into or out of its block and adds them with +1 at the new centroid and -1 at the old one (exact), so the
+sums stay float32 sums of the points in an order fixed by the code (docs/benchmarks.md, "The encoder's
+memory traffic"). An emptied cluster's sum is reset to 0.
+
 The products are exact: stage-0 points of a bf16 (fp16) tensor are bf16 (fp16) values, and float32 points
 are split exactly into three bf16 parts (8 + 8 + 8 significant bits), multiplied one after the other. So the
 sums are float32 sums of the points themselves, in an order fixed by the code (the scan's, the same bits
@@ -63,12 +71,24 @@ def _add_members(acc, hit, points, EXACT: tl.constexpr, INTERPRET: tl.constexpr)
         return exact_dot(tl.trans(rest - middle), hit, acc, "bf16", INTERPRET)  # the last 8 bits: exact in bf16
 
 
+@triton.jit
+def _compact(row, count, values, keep):
+    """Append ``values`` where ``keep`` (a [SCAN_ROWS, SCAN_COLS] scan block) to ``row`` after its first
+    ``count``, in the block's row-major order; returns the new count."""
+    keep = keep.to(tl.int32)
+    in_row = tl.cumsum(keep, 1)
+    row_count = tl.sum(keep, 1)
+    before_row = tl.cumsum(row_count, 0) - row_count
+    tl.store(row + (count + before_row[:, None] + in_row - 1), values, mask=keep != 0)
+    return count + tl.sum(row_count, 0)
+
+
 @triton.jit(do_not_specialize=["n_points", "n_centroids", "n_problems", "heads", "batch", "reverse", "s_x_b"])
 def _centroid_update_kernel(
     x_ptr, items_ptr, ids_ptr, tables_ptr, tscales_ptr, n_points, n_centroids, n_problems, heads, batch, reverse,
     s_x_b, s_x_t, s_x_h, s_x_d,
-    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, members_ptr,
-    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, INIT: tl.constexpr, EXACT: tl.constexpr,
+    cent_ptr, s_c_p, s_c_k, s_c_d, op_ptr, norm_ptr, members_ptr, prev_ptr, sums_ptr, counts_ptr,
+    D: tl.constexpr, D_PAD: tl.constexpr, STAGE: tl.constexpr, INIT: tl.constexpr, DELTA: tl.constexpr, EXACT: tl.constexpr,
     OPERANDS: tl.constexpr, PRECISION: tl.constexpr,
     CENT_SCALED: tl.constexpr, PER_CENTROID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_SCAN: tl.constexpr, INTERPRET: tl.constexpr, X_ALIGN: tl.constexpr,
@@ -82,10 +102,13 @@ def _centroid_update_kernel(
     x_row = problem_points(x_ptr, items_ptr, item, b, h, s_x_b, s_x_h, X_ALIGN)
     if not INIT:
         ids_row = ids_ptr + (STAGE * n_problems + p) * n_points
-        # The tokens whose id is one of this program's centroids, into its own scratch row, in scan order: a
-        # block of ids is [SCAN_ROWS, SCAN_COLS] with token n0 + c * SCAN_ROWS + r at (r, c), coalesced down
-        # the rows, and compacted row by row, so each thread counts and ranks its own row's ids and only the
-        # row counts are summed across threads (one prefix sum per block, not one per id).
+        prev_row = prev_ptr + p * n_points  # the ids before the last assignment (DELTA)
+        # This program's members into its own scratch row, in scan order: the tokens whose id is one of its
+        # centroids, each with its centroid's place in the block in one int32 (N < MAX_TOKENS, checked); with
+        # DELTA, the tokens the last assignment moved into or out of them (their places are read again
+        # below). A block of ids is [SCAN_ROWS, SCAN_COLS] with token n0 + c * SCAN_ROWS + r at (r, c),
+        # coalesced down the rows, and compacted row by row, so each thread counts and ranks its own row's ids
+        # and only the row counts are summed across threads (one prefix sum per block, not one per id).
         SCAN_ROWS: tl.constexpr = 128  # a row per thread of the 4 warps
         SCAN_COLS: tl.constexpr = BLOCK_SCAN // SCAN_ROWS
         members_row = members_ptr + (p * tl.num_programs(0) + tl.program_id(0)) * n_points
@@ -93,24 +116,37 @@ def _centroid_update_kernel(
         for n0 in range(0, n_points, BLOCK_SCAN):
             tokens = n0 + tl.arange(0, SCAN_ROWS)[:, None] + (tl.arange(0, SCAN_COLS) * SCAN_ROWS)[None, :]
             ids = tl.load(ids_row + tokens, mask=tokens < n_points, other=-1)
-            mine = ((ids >= k0) & (ids < k0 + BLOCK_K)).to(tl.int32)
-            in_row = tl.cumsum(mine, 1)
-            row_count = tl.sum(mine, 1)
-            before_row = tl.cumsum(row_count, 0) - row_count
-            # A member is its token and its centroid's place in the block, in one int32 (N < MAX_TOKENS, checked).
-            member = tokens * BLOCK_K + (ids - k0)
-            tl.store(members_row + (members + before_row[:, None] + in_row - 1), member, mask=mine != 0)
-            members += tl.sum(row_count, 0)
+            mine = (ids >= k0) & (ids < k0 + BLOCK_K)
+            if DELTA:
+                old = tl.load(prev_row + tokens, mask=tokens < n_points, other=-1)
+                mine = (mine | ((old >= k0) & (old < k0 + BLOCK_K))) & (ids != old)
+                members = _compact(members_row, members, tokens, mine)
+            else:
+                members = _compact(members_row, members, tokens * BLOCK_K + (ids - k0), mine)
         tl.debug_barrier()  # the row's stores are visible to every thread of the program
-        sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
+        if DELTA:  # the clusters as the last update left them, changed by the tokens that moved
+            kept = p * n_centroids * D + ((ks * D)[:, None] + cols)
+            sums = tl.trans(tl.load(sums_ptr + kept, mask=k_mask[:, None] & col_mask, other=0))
+            count = tl.load(counts_ptr + p * n_centroids + ks, mask=k_mask, other=0)
+        else:
+            sums = tl.zeros([D_PAD, BLOCK_K], tl.float32)  # transposed: the points' D is the MMA's M
+            count = tl.zeros([BLOCK_K], tl.int32)
         hits = tl.zeros([BLOCK_K, BLOCK_N], tl.int32)  # summed over the points after the loop
+        places = tl.arange(0, BLOCK_K)[:, None]
         for m0 in range(0, members, BLOCK_N):
             j = m0 + tl.arange(0, BLOCK_N)
             row_mask = j < members
-            member = tl.load(members_row + j, mask=row_mask, other=0).to(tl.uint32)
-            tokens = (member // BLOCK_K).to(tl.int32)
-            hit = (tl.arange(0, BLOCK_K)[:, None] == (member % BLOCK_K).to(tl.int32)[None, :]) & row_mask[None, :]
-            hits += hit.to(tl.int32)
+            member = tl.load(members_row + j, mask=row_mask, other=0)
+            if DELTA:  # +1 at the token's new centroid, -1 at its old one (either may be another program's)
+                tokens = member
+                joined = tl.load(ids_row + tokens, mask=row_mask, other=-1) - k0
+                left = tl.load(prev_row + tokens, mask=row_mask, other=-1) - k0
+                hit = (places == joined[None, :]).to(tl.int32) - (places == left[None, :]).to(tl.int32)
+            else:
+                member = member.to(tl.uint32)
+                tokens = (member // BLOCK_K).to(tl.int32)
+                hit = ((places == (member % BLOCK_K).to(tl.int32)[None, :]) & row_mask[None, :]).to(tl.int32)
+            hits += hit
             if STAGE == 0 and not INTERPRET:  # the input's own 16-bit values feed the tensor cores
                 points = stage_inputs(x_row, tokens[:, None], row_mask[:, None], cols, col_mask, s_x_t, s_x_d)
             else:
@@ -126,11 +162,15 @@ def _centroid_update_kernel(
         cent_ptr, s_c_p, s_c_k, s_c_d, p, ks[:, None], k_mask[:, None], cols, col_mask, STAGE, INIT, D,
         CENT_SCALED, PER_CENTROID,
     )
-    if not INIT:
-        count = tl.sum(hits, axis=1)[:, None]
-        mean = tl.where(count > 0, tl.math.div_rn(tl.trans(sums), tl.maximum(count, 1).to(tl.float32)), mean)
-    offsets = (ks * s_c_k)[:, None] + cols * s_c_d
     mask = k_mask[:, None] & col_mask
+    if not INIT:
+        count = (count + tl.sum(hits, axis=1))[:, None]
+        sums = tl.where(count > 0, tl.trans(sums), 0.0)  # an emptied cluster's sum is 0 exactly, not what rounding left
+        mean = tl.where(count > 0, tl.math.div_rn(sums, tl.maximum(count, 1).to(tl.float32)), mean)
+        if OPERANDS:  # another iteration follows: its update starts from these clusters
+            tl.store(sums_ptr + p * n_centroids * D + ((ks * D)[:, None] + cols), sums, mask=mask)
+            tl.store(counts_ptr + p * n_centroids + ks[:, None], count, mask=k_mask[:, None])
+    offsets = (ks * s_c_k)[:, None] + cols * s_c_d
     tl.store(cent_ptr + p * s_c_p + offsets, mean, mask=mask)
     if OPERANDS:  # for the next assignment: rounded once here, not by each of its programs
         operand = lloyd_operand(mean, PRECISION)
@@ -138,17 +178,22 @@ def _centroid_update_kernel(
         tl.store(norm_ptr + p * n_centroids + ks, tl.sum(operand * operand, axis=1), mask=k_mask)
 
 
-def launch_update(problems: Problems, stage: int, *, init: bool = False, operands: str | None = None) -> None:
+def launch_update(
+    problems: Problems, stage: int, *, init: bool = False, delta: bool = False, operands: str | None = None
+) -> None:
     """Replace the working centroids by the means of stage ``stage``'s points under ``problems.ids[stage]``
-    (``init``: by the strided init's points, reading no ids); with ``operands`` (a k-means precision), also
-    the next assignment's operands and norms."""
+    (``init``: by the strided init's points, reading no ids); ``delta``: from the clusters the previous
+    update of the stage kept, changed by the tokens whose id the last assignment changed; with ``operands``
+    (a k-means precision: another iteration follows), also the next assignment's operands and norms, and the
+    clusters' sums and sizes for its update."""
     pr = problems
     exact = exact_format(pr.x.dtype) if stage == 0 else None
     D = pr.head_dim
     blocks = triton.cdiv(pr.centroids, BLOCK_CENTROIDS)
     _centroid_update_kernel[pr.grid(blocks)](
-        *pr.point_args(0 if init else pr.sweep()), pr.working, *pr.working.stride(), pr.operands, pr.norms, pr.member_rows(blocks),
-        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, INIT=init,
+        *pr.point_args(0 if init else pr.sweep()), pr.working, *pr.working.stride(), pr.operands, pr.norms,
+        pr.member_rows(blocks), *pr.lloyd_scratch(),
+        D=D, D_PAD=max(16, triton.next_power_of_2(D)), STAGE=stage, INIT=init, DELTA=delta,
         OPERANDS=operands is not None, PRECISION=operands or "tf32x3",
         EXACT={"bf16": "bf16", "tf32": "fp16", None: "split"}[exact], BLOCK_N=BLOCK_POINTS,
         BLOCK_K=BLOCK_CENTROIDS, BLOCK_SCAN=BLOCK_SCAN, INTERPRET=INTERPRETING, num_warps=4, enable_fp_fusion=False, **pr.flags(),
@@ -176,5 +221,5 @@ def lloyd(x: torch.Tensor, centroids: torch.Tensor, iters: int, precision: str =
     problems.working.copy_(centroids)
     for i in range(iters):
         launch_assign(problems, 0, "lloyd", source="operands" if i else "working", precision=precision)
-        launch_update(problems, 0, operands=precision if i + 1 < iters else None)
+        launch_update(problems, 0, delta=i > 0, operands=precision if i + 1 < iters else None)
     return problems.working if iters else centroids

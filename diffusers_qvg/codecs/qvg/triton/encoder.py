@@ -72,7 +72,7 @@ def encode(
             source = "operands" if i or strided else "working"
             launch_assign(problems, t, "lloyd", source=source, precision=config.kmeans_precision)
             more = i + 1 < config.kmeans_iters
-            launch_update(problems, t, operands=config.kmeans_precision if more else None)
+            launch_update(problems, t, delta=i > 0, operands=config.kmeans_precision if more else None)
         held = problems.holds_table
         launch_round(problems, t, from_points=strided and config.kmeans_iters == 0, operands=held)
         last = t + 1 == config.stages

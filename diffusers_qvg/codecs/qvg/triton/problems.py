@@ -58,6 +58,9 @@ class Problems:
     x_align: int = 1  # elements every problem's first point is aligned to (see alignment())
     sweeps: int = 0  # launches so far that read every problem's points (see sweep())
     members: torch.Tensor | None = None  # int32 [P * centroid blocks, N]: the update's compacted tokens
+    previous: torch.Tensor | None = None  # int32 [P, N]: each Lloyd assignment's ids before it (see lloyd_scratch)
+    sums: torch.Tensor | None = None  # float32 [P, K, D]: the clusters' sums, kept for the next update
+    counts: torch.Tensor | None = None  # int32 [P, K]: their sizes
 
     @property
     def holds_table(self) -> bool:
@@ -70,6 +73,17 @@ class Problems:
         if self.members is None or self.members.shape[0] != self.count * blocks:
             self.members = torch.empty(self.count * blocks, self.tokens, dtype=torch.int32, device=self.x.device)
         return self.members
+
+    def lloyd_scratch(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What the Lloyd iterations carry from one to the next, made once: the ids before each assignment
+        (:attr:`previous`), the clusters' float32 sums and their sizes (:mod:`.centroid_update`)."""
+        if self.previous is None:
+            P, N, K, D = self.count, self.tokens, self.working.shape[1], self.head_dim
+            device = self.x.device
+            self.previous = torch.empty(P, N, dtype=torch.int32, device=device)
+            self.sums = torch.empty(P, K, D, dtype=torch.float32, device=device)
+            self.counts = torch.empty(P, K, dtype=torch.int32, device=device)
+        return self.previous, self.sums, self.counts
 
     @property
     def count(self) -> int:
