@@ -1,23 +1,16 @@
 """The attention benchmark runs end to end on CPU at small sizes (GPU figures are taken with the same script)."""
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from script_modules import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
 SMALL = ["--small", "--device", "cpu", "--windows", "6", "--warmup", "0", "--repeats", "1"]
 
 
 def load():
-    spec = importlib.util.spec_from_file_location("bench_attention", SCRIPT)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(bench)
-    return bench
+    return load_script("bench_attention")
 
 
 def test_small_cpu_run_reports_every_variant_in_both_cache_configurations(tmp_path):

@@ -1,27 +1,14 @@
 """scripts/bench_memory.py: its byte counts are the real cache's, and its JSON is what the plot reads."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+from script_modules import load_script as load
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.qvg import backend
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
 
 # Byte counts depend on a codec's layout only (bits, groups, centroid count and dtype), not on its k-means.
 STORAGES = {"bf16": "bf16", "qvg-int2": dq.QVGConfig(num_centroids=16, kmeans_iters=1),

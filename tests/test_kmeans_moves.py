@@ -1,24 +1,13 @@
 """scripts/kmeans_moves.py: the share of tokens Lloyd's assignments move, which prices the incremental updates."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
+from script_modules import load_script
 
 import diffusers_qvg as dq
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kmeans_moves.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("kmeans_moves", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_separated_clusters_found_at_once_move_nothing_and_video_kv_moves_some():
-    moves = load()
+    moves = load_script("kmeans_moves")
     # 4 tight clusters of 8 tokens in a row: the strided init takes one token of each, so the first assignment
     # is already final.
     g = torch.Generator().manual_seed(0)

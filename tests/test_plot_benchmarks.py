@@ -1,22 +1,10 @@
 """scripts/plot_benchmarks.py renders both plots from the JSON the benchmark scripts write (small runs here)."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import matplotlib.image
 import pytest
-
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from script_modules import load_script as load
 
 
 @pytest.fixture(scope="module")
