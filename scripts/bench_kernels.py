@@ -109,12 +109,14 @@ def launch_rows(table: Table, call: str, fn: Callable[[], object], repeats: int)
     from diffusers_qvg import device_times  # after main() has set TRITON_INTERPRET
 
     name = f"{call}: device time per launch"
+    if not torch.cuda.is_available():  # the interpreter's runs would cost seconds and profile nothing
+        table.add("launches", name, None, note="not run: no CUDA device, so no device kernels to profile")
+        return
     with table.guard("launches", name):
         runs = [device_times.device_events(fn) for _ in range(min(repeats, 10))]
         launches = device_times.launch_medians(runs)
-        if not launches:
-            table.add("launches", name, None, note="not run: no CUDA device, so no device kernels to profile")
-            return
+        if not launches:  # CUDA without the profiler's device activities (CUPTI missing): the row says so
+            raise RuntimeError("the PyTorch profiler recorded no device activity")
         for i, (kernel, us) in enumerate(launches):
             table.add("launches", f"{call}: launch {i + 1} of {len(launches)}, {kernel}", us / 1e3,
                       note=f"device time, median of {len(runs)} profiled runs")
