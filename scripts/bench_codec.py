@@ -54,6 +54,8 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         # The codes kernel's scale search is the encoder's other large cost: half the candidates.
         "qvg-int2 coarse scale search": (dq.QVGConfig(scale_search="mse-coarse"), False),
         "qvg-int2 coarse scale search, 2 Lloyd iters": (dq.QVGConfig(scale_search="mse-coarse", kmeans_iters=2), False),
+        # LongLive-2's cache is the preset "nvfp4" (four-over-six scales); plain NVFP4 beside it.
+        "nvfp4 static-6": (dq.NVFP4Config(scale_rule="static-6"), False),
     }
     return rows
 

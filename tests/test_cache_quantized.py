@@ -78,11 +78,13 @@ def test_keys_cached_before_rope_quantize_better_than_after():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("storage", ["rtn-int4", dq.KIVIConfig(key_group_tokens=32)], ids=["rtn-int4", "kivi-int2"])
-def test_baseline_storages_plug_in_by_name_or_config(storage):
+@pytest.mark.parametrize(
+    "storage, smaller", [("rtn-int4", 4), (dq.KIVIConfig(key_group_tokens=32), 4), ("nvfp4", 3.5)], ids=["rtn-int4", "kivi-int2", "nvfp4"]
+)
+def test_baseline_storages_plug_in_by_name_or_config(storage, smaller):
     out, cache = attend_last_chunk(storage)
     assert 0 < rel_error(out, reference()) < 0.15
-    assert 0 < cache.memory_report().packed < attend_last_chunk("bf16")[1].memory_report().packed / 4
+    assert 0 < cache.memory_report().packed < attend_last_chunk("bf16")[1].memory_report().packed / smaller
 
 
 @torch.no_grad()

@@ -84,7 +84,10 @@ BAD_TABLES = [
 ]
 
 
-@pytest.mark.parametrize("config", [dq.BF16Config(), dq.QVGConfig(num_centroids=2), dq.KIVIConfig(key_group_tokens=4)], ids=["bf16", "qvg", "kivi"])
+@pytest.mark.parametrize(
+    "config", [dq.BF16Config(), dq.QVGConfig(num_centroids=2), dq.KIVIConfig(key_group_tokens=4), dq.NVFP4Config()],
+    ids=["bf16", "qvg", "kivi", "nvfp4"],
+)
 @pytest.mark.parametrize("table, error, message", BAD_TABLES)
 def test_bad_segment_tables_raise_before_the_workspace_is_written(config, table, error, message):
     storage = config.allocate(batch=1, capacity_tokens=8, heads=1, head_dim=64, num_slots=2, dtype=torch.float32, device="cpu")
@@ -97,7 +100,9 @@ def test_bad_segment_tables_raise_before_the_workspace_is_written(config, table,
     assert (out == 7.0).all()
 
 
-@pytest.mark.parametrize("config", [dq.BF16Config(), dq.QVGConfig(num_centroids=2), dq.KIVIConfig()], ids=["bf16", "qvg", "kivi"])
+@pytest.mark.parametrize(
+    "config", [dq.BF16Config(), dq.QVGConfig(num_centroids=2), dq.KIVIConfig(), dq.NVFP4Config()], ids=["bf16", "qvg", "kivi", "nvfp4"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "nan-beside-huge"])
 def test_nan_and_inf_are_found_anywhere_by_the_one_reduction(config, dtype, bad):
@@ -122,6 +127,8 @@ def test_the_magnitude_limit_is_per_codec_and_counts_negative_values():
         dq.quantize(x, dq.QVGConfig(num_centroids=2))
     with pytest.raises(ValueError, match="kivi stores magnitudes up to 2\\^50"):
         dq.quantize(x, "kivi-int2")
+    with pytest.raises(ValueError, match="nvfp4 stores magnitudes up to 2\\^50"):
+        dq.quantize(x, "nvfp4")
     x[0, 3, 0, 5] = -1e300  # finite: the unquantized format stores it as it is
     assert torch.equal(dq.dequantize(dq.quantize(x, "bf16")), x)
 

@@ -18,6 +18,7 @@ CODECS = {
     "qvg": (dq.QVGConfig(num_centroids=4), "value"),
     "rtn": (dq.QVGConfig.rtn(), "value"),
     "kivi-keys": (dq.KIVIConfig(key_group_tokens=8), "key"),
+    "nvfp4": (dq.NVFP4Config(), "value"),
     # The Triton encoder (in the interpreter on CPU) checks inside its kernels and gates every store there.
     "qvg-triton": (dq.QVGConfig(num_centroids=4, kmeans_iters=1), "value"),
     "rtn-triton": (dq.QVGConfig.rtn(), "value"),

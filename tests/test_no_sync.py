@@ -42,6 +42,7 @@ CODECS = {
     "rtn": (dq.QVGConfig.rtn(), "value"),
     "kivi-keys": (dq.KIVIConfig(key_group_tokens=8), "key"),
     "kivi-values": (dq.KIVIConfig(), "value"),
+    "nvfp4": (dq.NVFP4Config(), "value"),
 }
 
 

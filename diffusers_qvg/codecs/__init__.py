@@ -7,6 +7,7 @@ import torch
 from .base import CodecConfig, Packed, Role, SegmentTable, segment_table
 from .dense import BF16Config, DensePacked
 from .kivi import KIVIConfig, KIVIPacked
+from .nvfp4 import NVFP4Config, NVFP4Packed
 from .qvg import QVGConfig, QVGPacked
 from .registry import PRESETS, resolve_codec
 
@@ -31,6 +32,8 @@ __all__ = [
     "DensePacked",
     "KIVIConfig",
     "KIVIPacked",
+    "NVFP4Config",
+    "NVFP4Packed",
     "PRESETS",
     "Packed",
     "QVGConfig",

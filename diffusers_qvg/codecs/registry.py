@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import CodecConfig
 from .dense import BF16Config
 from .kivi import KIVIConfig
+from .nvfp4 import NVFP4Config
 from .qvg import QVGConfig
 
 PRESETS: dict[str, CodecConfig] = {
@@ -16,6 +17,7 @@ PRESETS: dict[str, CodecConfig] = {
     "rtn-int2-asym": QVGConfig.rtn(symmetric=False),
     "rtn-int4": QVGConfig.rtn(bits=4),
     "kivi-int2": KIVIConfig(),
+    "nvfp4": NVFP4Config(),  # LongLive-2's KV cache (four-over-six scales)
 }
 
 

@@ -1,0 +1,170 @@
+"""NVFP4 (e2m1 codes, an e4m3 scale per 16 channels, a float32 scale above them): LongLive-2's KV cache.
+
+LongLive-2 (NVlabs/LongLive, ``kv_quant: true``) stores each chunk's K and V as NVFP4 through FourOverSix's
+``quantize_to_fp4`` with its ``"mse"`` scale rule ("four over six"): every block of 16 channels tries two
+e4m3 scales, one that maps the block's largest magnitude to 6 (the e2m1 maximum) and one that maps it to 4,
+and keeps the one with the smaller squared error (4 only where strictly smaller; the errors are compared in
+units of the second-level scale, where FourOverSix's absolute float32 squares underflow for tiny tensors); block scales then span
+e4m3 up to 256 (``"static-6"``, plain NVFP4, always maps to 6 with scales up to 448). The second-level
+float32 scale is ``amax / (6 * e4m3 range)``. Here it is taken per (segment, batch, head) rather than over
+all heads of a chunk as LongLive-2 does: a head's bytes then do not depend on its neighbours (head-sharded
+caches store what one rank would), and a finer second level can only shrink the block scales' rounding.
+
+The arithmetic is NVFP4's as torchao computes it (``nvfp4_quantize``): block scales ``clamp(max|x| / m /
+g, 2^-6, 448)`` rounded to e4m3, values multiplied by ``(1 / g) / scale``, clamped to +-6 and rounded to
+nearest-even on the e2m1 grid; the sign of a value that rounds to 0 is kept. Codes pack two per byte, the
+first channel in the low nibble. 4.5 bits per element (3.56x smaller than BF16), whatever the span.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import torch
+
+from ..rotary import compute_dtype_for, rotary_slice, rotate
+from .base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
+from .groups import MAX_ABS_INPUT
+from .status import WriteStatus
+
+BLOCK = 16  # channels per e4m3 scale
+E2M1_MAX = 6.0
+# The e2m1 magnitudes in code order (a code's low three bits; bit 3 is the sign), and the midpoints between them.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E4M3_TINY = 2.0**-6  # the smallest normal e4m3: torchao's floor for a block scale
+# Per scale rule: the e4m3 range the block scales may use, and the magnitudes a block's largest value may map to.
+SCALE_RULES: dict[str, tuple[float, tuple[float, ...]]] = {"static-6": (448.0, (6.0,)), "four-over-six": (256.0, (6.0, 4.0))}
+ScaleRule = Literal["static-6", "four-over-six"]
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """Round float32 ``y`` (|y| <= 6) to nearest-even on the e2m1 grid: uint8 codes, sign in bit 3."""
+    a = y.abs()
+    midpoints = torch.tensor(E2M1_MIDPOINTS, dtype=a.dtype, device=a.device)
+    index = torch.bucketize(a, midpoints)  # midpoints below |y|: a tie lands on the lower neighbour
+    tie = midpoints[index.clamp(max=len(E2M1_MIDPOINTS) - 1)] == a
+    index = index + (tie & (index % 2 == 1)).to(index.dtype)  # ...unless that one's mantissa bit is odd
+    return (index | (torch.signbit(y).to(index.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The values of uint8 e2m1 codes (bit 3 the sign), exactly, in ``dtype``."""
+    grid = torch.tensor(E2M1_GRID, dtype=dtype, device=codes.device)
+    table = torch.cat([grid, -grid])
+    return table[codes.long()]
+
+
+def pack_pairs(codes: torch.Tensor) -> torch.Tensor:
+    """Block codes [..., D / 16, 16] as bytes [..., D / 2], two per byte, the first in the low nibble."""
+    pairs = codes.flatten(-2).unflatten(-1, (-1, 2))
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+@dataclass
+class NVFP4Packed(Packed):
+    codes: torch.Tensor  # [B, T, H, D / 2] uint8, two e2m1 codes per byte (first channel low)
+    scales: torch.Tensor  # [B, T, H, D / 16] float8_e4m3fn block scales
+    tensor_scale: torch.Tensor  # [S, B, H] float32: amax / (6 * e4m3 range) per slot
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"codes": self.codes, "scales": self.scales, "tensor_scale": self.tensor_scale}
+
+
+@dataclass(frozen=True)
+class NVFP4Config(CodecConfig):
+    """NVFP4 KV storage, LongLive-2's format (module docstring). ``scale_rule``: ``"four-over-six"``
+    (LongLive-2's ``kv_quant_scale_rule: mse``) or ``"static-6"`` (plain NVFP4)."""
+
+    name: ClassVar[str] = "nvfp4"
+    max_abs_input: ClassVar[float] = MAX_ABS_INPUT
+
+    scale_rule: ScaleRule = "four-over-six"
+
+    def __post_init__(self) -> None:
+        if self.scale_rule not in SCALE_RULES:
+            raise ValueError(f"NVFP4Config.scale_rule={self.scale_rule!r} is invalid: use one of {sorted(SCALE_RULES)}")
+
+    def check_layout(self, x: torch.Tensor, what: str = "x") -> None:
+        super().check_layout(x, what)
+        if x.shape[-1] % BLOCK:
+            raise ValueError(f"head_dim {x.shape[-1]} is not a multiple of NVFP4's {BLOCK}-channel blocks; pad it")
+
+    def allocate(self, *, batch, capacity_tokens, heads, head_dim, num_slots, dtype, device, role="value") -> NVFP4Packed:
+        if head_dim % BLOCK:
+            raise ValueError(f"head_dim {head_dim} is not a multiple of NVFP4's {BLOCK}-channel blocks; pad it")
+        B, T, H, D = batch, capacity_tokens, heads, head_dim
+        return NVFP4Packed(
+            config=self,
+            shape=(B, T, H, D),
+            dtype=dtype,
+            num_slots=num_slots,
+            codes=torch.zeros(B, T, H, D // 2, dtype=torch.uint8, device=device),
+            scales=torch.zeros(B, T, H, D // BLOCK, dtype=torch.float8_e4m3fn, device=device),
+            tensor_scale=torch.zeros(num_slots, B, H, dtype=torch.float32, device=device),
+        )
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x`` [B, N, H, D] as (packed codes, e4m3 block scales, float32 second-level scales [B, H])."""
+        B, N, H, D = x.shape
+        e4m3_range, maxima = SCALE_RULES[self.scale_rule]
+        x = x.float()
+        amax = x.abs().amax(dim=(1, 3))  # [B, H]
+        g = torch.where(amax > 0, amax / (E2M1_MAX * e4m3_range), 1.0)
+        blocks = x.unflatten(-1, (-1, BLOCK))  # [B, N, H, D / 16, 16]
+        block_max = blocks.abs().amax(dim=-1)
+        g_blocks = g[:, None, :, None]
+        in_units = blocks / g_blocks[..., None]  # the errors compared in units of g: squares of tiny values underflow
+        codes, scale, err = None, None, None
+        for mapped_to in maxima:  # each candidate scale; a later one wins only where strictly better
+            c_scale = (block_max / mapped_to / g_blocks).clamp(E4M3_TINY, 448.0).to(torch.float8_e4m3fn)
+            c_codes = e2m1_codes((blocks * ((1.0 / g_blocks) / c_scale.float())[..., None]).clamp(-E2M1_MAX, E2M1_MAX))
+            if len(maxima) == 1:
+                return pack_pairs(c_codes), c_scale, g
+            c_err = (e2m1_values(c_codes, torch.float32) * c_scale.float()[..., None] - in_units).square().sum(dim=-1)
+            if err is None:
+                codes, scale, err = c_codes, c_scale, c_err
+            else:
+                better = c_err < err
+                codes = torch.where(better[..., None], c_codes, codes)
+                scale = torch.where(better, c_scale.view(torch.uint8), scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+                err = torch.minimum(c_err, err)
+        return pack_pairs(codes), scale, g
+
+    def quantize_into(
+        self,
+        storage: NVFP4Packed,
+        x: torch.Tensor,
+        *,
+        token_start: int,
+        slot: int,
+        role: Role = "value",
+        warm_start: Packed | None = None,
+        warm_slot: int = 0,
+        status: WriteStatus | None = None,
+        what: str = "x",
+        heads: HeadSlice | None = None,
+    ) -> None:
+        self.check_storage_fits(storage, x, token_start, slot)
+        unchecked = self.check_write(x, status, what)
+        packed, scales, g = self.encode(x)
+        rows = slice(token_start, token_start + x.shape[1])
+        for dst, src in ((storage.codes[:, rows], packed), (storage.scales[:, rows], scales), (storage.tensor_scale[slot], g)):
+            if unchecked:
+                dst.copy_(src)
+            else:
+                status.gated_copy_(dst.view(torch.uint8), src.view(torch.uint8))
+
+    def dequantize_into(self, storage: NVFP4Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
+        self.check_segments(storage, segments, out, rotary)
+        B, _, H, D = storage.shape
+        f = compute_dtype_for(storage.dtype)
+        for src, n, dst, slot in segments.rows:
+            packed = storage.codes[:, src : src + n]
+            codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [B, n, H, D]
+            scale = storage.scales[:, src : src + n].to(f) * storage.tensor_scale[slot].to(f).view(B, 1, H, 1)
+            x = (e2m1_values(codes, f).unflatten(-1, (-1, BLOCK)) * scale[..., None]).flatten(-2)
+            if rotary is not None:
+                x = rotate(x, rotary_slice(rotary, dst, dst + n))
+            out[:, dst : dst + n].copy_(x)
