@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from diffusers_qvg.codecs.qvg import QVGConfig
-from diffusers_qvg.codecs.qvg.backend import backend
+from diffusers_qvg.codecs.kernel_backend import backend
 from diffusers_qvg.codecs.status import WriteStatus
 
 TOKENS, HEADS, HEAD_DIM = 4680, 12, 128

@@ -16,7 +16,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from wan_helpers import HEIGHT, WIDTH, tiny_wan
 
 import diffusers_qvg as dq
-from diffusers_qvg.codecs.qvg.backend import backend
+from diffusers_qvg.codecs.kernel_backend import backend
 
 FRAMES = 3
 TEXT = torch.randn(1, 8, 32, generator=torch.Generator().manual_seed(1))

@@ -6,7 +6,7 @@ import torch
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.base import HeadSlice
-from diffusers_qvg.codecs.qvg.backend import backend
+from diffusers_qvg.codecs.kernel_backend import backend
 from diffusers_qvg.codecs.qvg.kmeans import kmeans_init
 
 B, N, H, D = 2, 24, 4, 8

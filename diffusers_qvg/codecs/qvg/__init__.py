@@ -1,6 +1,6 @@
 """Quant VideoGen: config, packed format, reference encoder and decoder."""
 
-from .backend import backend
+from ..kernel_backend import backend
 from .config import QVGConfig
 from .format import QVGPacked
 

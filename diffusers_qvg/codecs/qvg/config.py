@@ -231,7 +231,7 @@ class QVGConfig(CodecConfig):
         shape, dtype and device, and their storages one layout (allocated alike); no two may write the same
         tokens or slot of one storage. Otherwise as :meth:`CodecConfig.quantize_batch_into`.
         """
-        from .backend import use_triton_encoder
+        from .dispatch import use_triton_encoder
         from .encode import Write, check_warm_start, quantize_writes
 
         roles, warm_starts, whats = self.batch_arguments(items, roles, warm_starts, whats)
@@ -272,7 +272,7 @@ class QVGConfig(CodecConfig):
         quantize_writes(self, writes, status, checks, holds, triton=triton, heads=heads)
 
     def dequantize_into(self, storage: Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
-        from .backend import dequantize_into
+        from .dispatch import dequantize_into
 
         self.check_segments(storage, segments, out, rotary)
         dequantize_into(storage, segments, out, rotary)
@@ -282,7 +282,7 @@ class QVGConfig(CodecConfig):
         value_out: torch.Tensor, rotary=None,
     ) -> None:
         """Keys (rotated) and values of one table in one Triton launch (see :meth:`CodecConfig.dequantize_pair_into`)."""
-        from .backend import dequantize_pair_into
+        from .dispatch import dequantize_pair_into
 
         self.check_segments(key_storage, segments, key_out, rotary)
         self.check_segments(value_storage, segments, value_out)
