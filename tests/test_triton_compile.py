@@ -79,9 +79,9 @@ def launches_compile_for_sm90():
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
-    from diffusers_qvg.codecs.qvg.triton import dequantize
+    from diffusers_qvg.codecs import window_tiles  # the window decoders' shared host checks
 
-    launched, run, guard = [], JITFunction.run, dequantize.check_runnable
+    launched, run, guard = [], JITFunction.run, window_tiles.check_runnable
 
     def compile_only(self, *args, grid, warmup, **kwargs):
         report = io.StringIO()
@@ -92,11 +92,11 @@ def launches_compile_for_sm90():
 
     saved = getattr(driver, "_active", None)
     driver.set_active(MockSM90Driver())
-    JITFunction.run, dequantize.check_runnable = compile_only, lambda *tensors: None
+    JITFunction.run, window_tiles.check_runnable = compile_only, lambda *tensors: None
     try:
         yield launched
     finally:
-        JITFunction.run, dequantize.check_runnable = run, guard
+        JITFunction.run, window_tiles.check_runnable = run, guard
         driver._active = saved
 
 
@@ -150,6 +150,38 @@ def window_decoder_compiles_as_launched() -> None:
     assert rope_muls > 0 and rope_muls % (4 * elements // 2) == 0
     registers = re.search(r"Used (\d+) registers", pair[0][2]).group(1)
     print(f"window decoder (K+V, RoPE): {registers} registers, no spills")
+
+
+def nvfp4_decoder_compiles_as_launched() -> None:
+    """LongLive-2's format at the same windows and batches, keys with RoPE and values in one launch: one binary, no
+    spills, at most 64 registers (8 CTAs of 4 warps per SM), 16-byte stores only, no fused multiply-add at all
+    (the reference rounds every product and sum)."""
+    import diffusers_qvg as dq
+    from diffusers_qvg.codecs.kernel_backend import backend
+    from diffusers_qvg.codecs.nvfp4.triton_decode import _window_kernel
+    from diffusers_qvg.rotary import RotaryPairs
+
+    cfg, chunk, H, D = dq.NVFP4Config(), 4680, 12, 128
+    with launches_compile_for_sm90() as launched, backend("triton"):
+        for packed, batch in ((6, 1), (79, 1), (6, 2), (79, 2)):
+            W = (packed + 1) * chunk
+            kv = [cfg.allocate(batch=batch, capacity_tokens=packed * chunk, heads=H, head_dim=D, num_slots=packed,
+                               dtype=torch.bfloat16, device="meta") for _ in range(2)]
+            outs = [torch.empty(batch, W, H, D, dtype=torch.bfloat16, device="meta") for _ in range(2)]
+            table = dq.segment_table([(i * chunk, chunk, i * chunk, i) for i in range(packed)])
+            cfg.dequantize_pair_into(kv[0], kv[1], table, outs[0], outs[1], RotaryPairs(torch.empty(1, W, 1, D, device="meta")))
+    assert [fn for fn, _, _ in launched] == [_window_kernel] * 4
+    assert len({k.hash for _, k, _ in launched}) == 1, "a window length or batch recompiled the decoder"
+    _, kernel, report = launched[0]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(a == b == "0" for a, b in spills), report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers <= 64, report
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.enable_fp_fusion is False and fma_count(ptx) == 0
+    assert ".ftz" not in ptx  # e2m1's 0 and 1/2 are built as float32 subnormals: nothing may flush them
+    assert "st.global.v4.b32" in ptx and not re.search(r"st\.global\.b16", ptx)
+    print(f"nvfp4 window decoder (K+V, RoPE): {registers} registers, no spills")
 
 
 def encoder_launches(calls) -> list:
@@ -253,11 +285,13 @@ def test_kernels_compile_for_sm90():
         env.update(TRITON_CACHE_DIR=cache, TRITON_DUMP_PTXAS_LOG="1")
         run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert [line for line in run.stdout.split() if line == "compiled"] == ["compiled"] * 4
+    assert [line for line in run.stdout.split() if line == "compiled"] == ["compiled"] * 5
 
 
 if __name__ == "__main__":
     window_decoder_compiles_as_launched()
+    print("compiled")
+    nvfp4_decoder_compiles_as_launched()
     print("compiled")
     residual_quantizer_compiles()
     print("compiled")

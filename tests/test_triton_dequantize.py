@@ -8,6 +8,7 @@ from diffusers_qvg.codecs.qvg import backend
 from diffusers_qvg.codecs.qvg.decode import dequantize_into as reference
 from diffusers_qvg.codecs.qvg.format import QVGPacked, allocate_qvg, pack_codes
 from diffusers_qvg.codecs.qvg.triton.dequantize import dequantize_into as triton_dequantize
+from segment_rows import gapped_rows, uncovered
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on GPU, interpreted on CPU
 
@@ -90,16 +91,10 @@ def test_head_dim_that_is_not_a_power_of_two():
 
 def test_many_segments_of_different_lengths_into_gaps_leave_other_rows_untouched():
     storage = random_storage(VARIANTS["default-trits-e4m3"], tokens=40, slots=9)
-    rows, src, dst = [], 0, 60
-    for i, n in enumerate([1, 7, 3, 9, 1, 2, 5, 11, 1]):  # 40 tokens, written back to front with gaps
-        dst -= n + (i % 2)
-        rows.append((src, n, dst, (i * 4) % 9))
-        src += n
+    rows = gapped_rows()
     out = assert_bit_identical(storage, dq.segment_table(rows), 60, random_rotary(60, 64))
-    covered = torch.zeros(60, dtype=torch.bool, device=DEVICE)
-    for _, n, d, _ in rows:
-        covered[d : d + n] = True
-    assert (~covered).any() and (out[:, ~covered] == 7.0).all()
+    gaps = uncovered(rows, 60, DEVICE)
+    assert gaps.any() and (out[:, gaps] == 7.0).all()
 
 
 def test_non_contiguous_storage_workspace_table_and_rotary():

@@ -31,16 +31,16 @@ import triton
 import triton.language as tl
 
 from ....rotary import Rotary, rotary_tensors
-from ...base import INT32_MAX, TILE_TOKENS, SegmentTable
+from ...base import INT32_MAX, SegmentTable
+from ...window_tiles import check_window_call, tile_program
 from ..format import QVGPacked
-from . import INTERPRETING, centroid_scale_operand, check_runnable
+from . import INTERPRETING, centroid_scale_operand
 from .numerics import cast_exact
 
 # Tokens per block: on sm_90, 8 channels x 2 tokens per thread (4 warps), 48 registers, 10 CTAs per SM; the
 # interpreter, where only the per-block overhead counts, takes bigger blocks (the same code path).
 BLOCK_T = 32 if INTERPRETING else 16
 NUM_WARPS = 4
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAGIC = tl.constexpr(0x4B400000)  # float bits of 2^23 + 2^22: adding an integer u < 2^22 gives the float 12582912 + u
 
 
@@ -207,14 +207,7 @@ def _window_kernel(
     ROLES: tl.constexpr, SOFTWARE_BF16: tl.constexpr, BLOCK_T: tl.constexpr, RUN: tl.constexpr,
     WINDOW: tl.constexpr,
 ):
-    h = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
-    b = (tl.program_id(2) // ROLES).to(tl.int64)
-    key = tl.program_id(2) % ROLES == 0  # role 0: keys (rotated), role 1: values
-    src = tl.load(tiles_ptr + tile * 4).to(tl.int64)
-    dst = tl.load(tiles_ptr + tile * 4 + 1).to(tl.int64)
-    n = tl.load(tiles_ptr + tile * 4 + 2)
-    slot = tl.load(tiles_ptr + tile * 4 + 3).to(tl.int64)
+    h, b, key, src, dst, n, slot = tile_program(tiles_ptr, ROLES)  # key: role 0 (rotated), else the values
 
     # 64-bit bases at the tile's first token, once per program.
     out_p = tl.where(key, k_out, v_out) + (b * s_out_b + dst * s_out_t + h * s_out_h)
@@ -302,36 +295,15 @@ def _operands(storage: QVGPacked, out: torch.Tensor) -> tuple[list[torch.Tensor]
     return tensors, strides
 
 
-def _check_offsets(tensors: list[torch.Tensor], rotary: list[torch.Tensor], storage: QVGPacked) -> None:
-    """Offsets inside a tile are int32: a tile's token span of every per-token tensor, and a head's centroid table."""
-    for t in (*tensors[:5], *rotary):
-        if TILE_TOKENS * t.stride(1) + t.stride(-1) * t.shape[-1] > INT32_MAX:
-            raise ValueError(
-                f"a tensor of shape {tuple(t.shape)} has token stride {t.stride(1)}: a {TILE_TOKENS}-token tile spans "
-                "more than 2^31 elements; use contiguous [batch, tokens, heads, head_dim] tensors"
-            )
-    cent = storage.centroids
-    if cent.shape[-2] * cent.stride(-2) + cent.shape[-1] * cent.stride(-1) > INT32_MAX:
-        raise ValueError(f"a centroid table of shape {tuple(cent.shape)} spans more than 2^31 elements per head")
-
-
 def _check_call(storage: QVGPacked, out: torch.Tensor, segments: SegmentTable, rotary: Rotary | None) -> list[torch.Tensor]:
     """What only the kernel needs (the codec's check_segments ran before); returns the rotary tensors."""
-    rope = rotary_tensors(rotary) if rotary is not None else ()
-    check_runnable(out, segments.tiles, storage.codes, *rope)
-    if out.dtype not in OUT_DTYPES:
-        raise ValueError(f"the Triton decoder writes bfloat16/float16/float32 workspaces, got {out.dtype}; use the torch backend")
-    if any(t.dtype != torch.float32 for t in rope):
-        raise ValueError("the Triton decoder rotates with float32 cos/sin (as diffusers' Wan RoPE makes them)")
+    tensors, _ = _operands(storage, out)
+    rope = check_window_call(out, segments, tensors[1:5], rotary)  # codes, scales, zeros, ids
     if rotary is not None and storage.shape[-1] % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {storage.shape[-1]}")
-    if segments.tiles.shape[0] > 65535:
-        raise ValueError(
-            f"the table covers {segments.tiles.shape[0]} tiles of {TILE_TOKENS} tokens; one launch takes at most 65535 "
-            "(16.7 M tokens): decode the window in parts"
-        )
-    tensors, _ = _operands(storage, out)
-    _check_offsets(tensors, list(rope), storage)
+    cent = storage.centroids  # offsets inside a head's centroid table are int32 too
+    if cent.shape[-2] * cent.stride(-2) + cent.shape[-1] * cent.stride(-1) > INT32_MAX:
+        raise ValueError(f"a centroid table of shape {tuple(cent.shape)} spans more than 2^31 elements per head")
     return list(rope)
 
 

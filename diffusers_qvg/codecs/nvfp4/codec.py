@@ -4,11 +4,12 @@ LongLive-2 (NVlabs/LongLive, ``kv_quant: true``) stores each chunk's K and V as 
 ``quantize_to_fp4`` with its ``"mse"`` scale rule ("four over six"): every block of 16 channels tries two
 e4m3 scales, one that maps the block's largest magnitude to 6 (the e2m1 maximum) and one that maps it to 4,
 and keeps the one with the smaller squared error (4 only where strictly smaller; the errors are compared in
-units of the second-level scale, where FourOverSix's absolute float32 squares underflow for tiny tensors); block scales then span
-e4m3 up to 256 (``"static-6"``, plain NVFP4, always maps to 6 with scales up to 448). The second-level
-float32 scale is ``amax / (6 * e4m3 range)``. Here it is taken per (segment, batch, head) rather than over
-all heads of a chunk as LongLive-2 does: a head's bytes then do not depend on its neighbours (head-sharded
-caches store what one rank would), and a finer second level can only shrink the block scales' rounding.
+units of the second-level scale, where FourOverSix's absolute float32 squares underflow for tiny tensors);
+block scales then span e4m3 up to 256 (``"static-6"``, plain NVFP4, always maps to 6, with scales up to
+448). The second-level float32 scale is ``amax / (6 * e4m3 range)``. Here it is taken per (segment, batch,
+head) rather than over all heads of a chunk as LongLive-2 does: a head's bytes then do not depend on its
+neighbours (head-sharded caches store what one rank would), and a quiet head's block scales stay out of
+e4m3's subnormal range.
 
 The arithmetic is NVFP4's as torchao computes it (``nvfp4_quantize``): block scales ``clamp(max|x| / m /
 g, 2^-6, 448)`` rounded to e4m3, values multiplied by ``(1 / g) / scale``, clamped to +-6 and rounded to
@@ -23,53 +24,17 @@ from typing import ClassVar, Literal
 
 import torch
 
-from ..rotary import compute_dtype_for, rotary_slice, rotate
-from .base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
-from .groups import MAX_ABS_INPUT
-from .status import WriteStatus
+from ..base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
+from ..groups import MAX_ABS_INPUT
+from ..kernel_backend import decode_unsupported, use_triton
+from ..status import WriteStatus
+from .format import BLOCK, NVFP4Packed, decode_reference, e2m1_codes, e2m1_values, pack_pairs
 
-BLOCK = 16  # channels per e4m3 scale
 E2M1_MAX = 6.0
-# The e2m1 magnitudes in code order (a code's low three bits; bit 3 is the sign), and the midpoints between them.
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 E4M3_TINY = 2.0**-6  # the smallest normal e4m3: torchao's floor for a block scale
 # Per scale rule: the e4m3 range the block scales may use, and the magnitudes a block's largest value may map to.
 SCALE_RULES: dict[str, tuple[float, tuple[float, ...]]] = {"static-6": (448.0, (6.0,)), "four-over-six": (256.0, (6.0, 4.0))}
 ScaleRule = Literal["static-6", "four-over-six"]
-
-
-def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round float32 ``y`` (|y| <= 6) to nearest-even on the e2m1 grid: uint8 codes, sign in bit 3."""
-    a = y.abs()
-    midpoints = torch.tensor(E2M1_MIDPOINTS, dtype=a.dtype, device=a.device)
-    index = torch.bucketize(a, midpoints)  # midpoints below |y|: a tie lands on the lower neighbour
-    tie = midpoints[index.clamp(max=len(E2M1_MIDPOINTS) - 1)] == a
-    index = index + (tie & (index % 2 == 1)).to(index.dtype)  # ...unless that one's mantissa bit is odd
-    return (index | (torch.signbit(y).to(index.dtype) << 3)).to(torch.uint8)
-
-
-def e2m1_values(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of uint8 e2m1 codes (bit 3 the sign), exactly, in ``dtype``."""
-    grid = torch.tensor(E2M1_GRID, dtype=dtype, device=codes.device)
-    table = torch.cat([grid, -grid])
-    return table[codes.long()]
-
-
-def pack_pairs(codes: torch.Tensor) -> torch.Tensor:
-    """Block codes [..., D / 16, 16] as bytes [..., D / 2], two per byte, the first in the low nibble."""
-    pairs = codes.flatten(-2).unflatten(-1, (-1, 2))
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-@dataclass
-class NVFP4Packed(Packed):
-    codes: torch.Tensor  # [B, T, H, D / 2] uint8, two e2m1 codes per byte (first channel low)
-    scales: torch.Tensor  # [B, T, H, D / 16] float8_e4m3fn block scales
-    tensor_scale: torch.Tensor  # [S, B, H] float32: amax / (6 * e4m3 range) per slot
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {"codes": self.codes, "scales": self.scales, "tensor_scale": self.tensor_scale}
 
 
 @dataclass(frozen=True)
@@ -158,13 +123,21 @@ class NVFP4Config(CodecConfig):
 
     def dequantize_into(self, storage: NVFP4Packed, segments: SegmentTable, out: torch.Tensor, rotary=None) -> None:
         self.check_segments(storage, segments, out, rotary)
-        B, _, H, D = storage.shape
-        f = compute_dtype_for(storage.dtype)
-        for src, n, dst, slot in segments.rows:
-            packed = storage.codes[:, src : src + n]
-            codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # [B, n, H, D]
-            scale = storage.scales[:, src : src + n].to(f) * storage.tensor_scale[slot].to(f).view(B, 1, H, 1)
-            x = (e2m1_values(codes, f).unflatten(-1, (-1, BLOCK)) * scale[..., None]).flatten(-2)
-            if rotary is not None:
-                x = rotate(x, rotary_slice(rotary, dst, dst + n))
-            out[:, dst : dst + n].copy_(x)
+        if use_triton(out.device, decode_unsupported(out, rotary)):
+            from .triton_decode import dequantize_into
+
+            dequantize_into(storage, segments, out, rotary)
+        else:
+            decode_reference(storage, segments, out, rotary)
+
+    def dequantize_pair_into(self, key_storage, value_storage, segments, key_out, value_out, rotary=None) -> None:
+        """Keys (rotated) and values of one table in one Triton launch (see :meth:`CodecConfig.dequantize_pair_into`)."""
+        self.check_segments(key_storage, segments, key_out, rotary)
+        self.check_segments(value_storage, segments, value_out)
+        if use_triton(key_out.device, decode_unsupported(key_out, rotary) or decode_unsupported(value_out, None)):
+            from .triton_decode import dequantize_pair_into
+
+            dequantize_pair_into(key_storage, value_storage, segments, key_out, value_out, rotary)
+        else:
+            decode_reference(key_storage, segments, key_out, rotary)
+            decode_reference(value_storage, segments, value_out)
