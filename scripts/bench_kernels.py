@@ -291,17 +291,21 @@ def main(argv: list[str] | None = None) -> None:
     out = {role: torch.empty(1, W, H, D, dtype=torch.bfloat16, device=device) for role in ("key", "value")}
     out_bytes = 2 * out["key"].numel() * out["key"].element_size()
     decoder_bytes = []  # per configuration: packed K/V read plus the dense window written
+    def packed_window(config: dq.CodecConfig) -> tuple[dict[str, dq.Packed], int, str]:
+        """The window's K and V packed chunk by chunk, their bytes, and the row note."""
+        stores = {}
+        for role in ("key", "value"):
+            s = config.allocate(batch=1, capacity_tokens=W, heads=H, head_dim=D, num_slots=chunks, dtype=torch.bfloat16, device=device)
+            for i in range(chunks):
+                config.quantize_into(s, data[role][:, i * n : (i + 1) * n], token_start=i * n, slot=i)
+            stores[role] = s
+        packed_bytes = sum(s.nbytes for s in stores.values())
+        return stores, packed_bytes, f"{packed_bytes / 2 / (W * H * D) * 8:.2f} bits/element incl. window-sized storage"
+
     for name, config in configs.items():
         with table.guard("dequantize", f"{name}: setup"):
-            stores = {}
-            for role in ("key", "value"):
-                s = config.allocate(batch=1, capacity_tokens=W, heads=H, head_dim=D, num_slots=chunks, dtype=torch.bfloat16, device=device)
-                for i in range(chunks):
-                    config.quantize_into(s, data[role][:, i * n : (i + 1) * n], token_start=i * n, slot=i)
-                stores[role] = s
-            packed_bytes = sum(s.nbytes for s in stores.values())
+            stores, packed_bytes, note = packed_window(config)
             decoder_bytes.append(packed_bytes + out_bytes)
-            note = f"{packed_bytes / 2 / (W * H * D) * 8:.2f} bits/element incl. window-sized storage"
             for rope in (True, False):
                 def kernels():
                     triton_dequantize(stores["key"], segments, out["key"], rotary if rope else None)
@@ -326,6 +330,17 @@ def main(argv: list[str] | None = None) -> None:
                 with backend(mode):
                     table.time("dequantize", f"{name}: {label}, K +RoPE and V", verb, nbytes=packed_bytes + out_bytes,
                                note=note)
+
+    # LongLive-2's format (NVFP4, four-over-six scales) through this package's kernel and reference decoder.
+    with table.guard("dequantize", "nvfp4: setup"):
+        fp4 = dq.NVFP4Config()
+        stores, packed_bytes, note = packed_window(fp4)
+        for mode, label in (("triton", "ours, K +RoPE (RotaryPairs) and V in 1 launch"), ("torch", "torch reference decoder, K +RoPE and V")):
+            with backend(mode):
+                table.time("dequantize", f"nvfp4 (LongLive-2's format): {label}",
+                           lambda: fp4.dequantize_pair_into(stores["key"], stores["value"], segments, out["key"], out["value"], pairs),
+                           nbytes=packed_bytes + out_bytes + pairs.nbytes, target=WINDOW_READ_TARGET_MS if mode == "triton" else None,
+                           note=note)
 
     plain_row = "plain 2-bit unpack x per-group scales, K and V"
     with table.guard("dequantize", plain_row):
@@ -377,15 +392,15 @@ def main(argv: list[str] | None = None) -> None:
 
 
 
-def window_read_for_sm90_profile() -> None:
+def window_read_for_sm90_profile(codec: str = "qvg-int2") -> None:
     """The cache's read of a 21-frame Self-Forcing window as ``layer.py`` makes it: 6 packed chunks of 4,680 tokens x
-    12 heads x 128 (qvg-int2, allocated only), K with the plan's RotaryPairs and V in one ``dequantize_pair_into``.
+    12 heads x 128 (allocated only), K with the plan's RotaryPairs and V in one ``dequantize_pair_into``.
     For ``python ../shared/tools/sm90_profile.py --call scripts/bench_kernels.py:window_read_for_sm90_profile``."""
     import diffusers_qvg as dq
-    from diffusers_qvg.codecs.qvg import backend
+    from diffusers_qvg.codecs.kernel_backend import backend
     from diffusers_qvg.rotary import RotaryPairs
 
-    config, n, H, D, packed = dq.QVGConfig(), 4680, 12, 128, 6
+    config, n, H, D, packed = dq.resolve_codec(codec), 4680, 12, 128, 6
     W = (packed + 1) * n
     kv = [config.allocate(batch=1, capacity_tokens=packed * n, heads=H, head_dim=D, num_slots=packed,
                           dtype=torch.bfloat16, device="cpu", role=role) for role in ("key", "value")]
@@ -393,6 +408,11 @@ def window_read_for_sm90_profile() -> None:
     table = dq.segment_table([(i * n, n, i * n, i) for i in range(packed)])
     with backend("triton"):
         config.dequantize_pair_into(kv[0], kv[1], table, *outs, RotaryPairs(torch.rand(1, W, 1, D)))
+
+
+def nvfp4_window_read_for_sm90_profile() -> None:
+    """The same read of LongLive-2's format (``--call scripts/bench_kernels.py:nvfp4_window_read_for_sm90_profile``)."""
+    window_read_for_sm90_profile("nvfp4")
 
 if __name__ == "__main__":
     main()

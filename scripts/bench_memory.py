@@ -91,7 +91,7 @@ def cache_bytes(config: dq.CacheConfig, geo: Geometry, latent_frames: int, batch
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      allow_abbrev=False)
-    parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2", "qvg-int4"])
+    parser.add_argument("--storages", nargs="+", default=["bf16", "qvg-int2", "qvg-int4", "nvfp4"])
     parser.add_argument("--max-frames", type=int, default=240, help="longest video, latent frames (default 240)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH (scripts/plot_benchmarks.py)")
     args = parser.parse_args(argv)

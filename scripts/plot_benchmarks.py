@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 (after the backend is chosen)
 from matplotlib.figure import Figure  # noqa: E402
 
-COLORS = {"bf16": "tab:gray", "qvg-int2": "tab:blue", "qvg-int4": "tab:green"}
+COLORS = {"bf16": "tab:gray", "qvg-int2": "tab:blue", "qvg-int4": "tab:green", "nvfp4": "tab:red"}
 STYLES = ["-", "--", ":", "-."]
 DEFAULT_CODEC = "qvg-int2"
 
@@ -34,11 +34,9 @@ def memory_figure(report: dict) -> Figure:
     for storage in dict.fromkeys(r["storage"] for r in rows):
         for style, setting in zip(STYLES, settings):
             line = [r for r in rows if r["storage"] == storage and r["setting"] == setting]
+            last = line[-1]  # the ratio goes in the legend: end labels of close lines (qvg-int4, nvfp4) overlap
             ax.plot([r["latent_frames"] for r in line], [r["cache_bytes"] / 2**30 for r in line], style,
-                    color=COLORS.get(storage), label=f"{storage}, {setting}")
-            last = line[-1]
-            ax.annotate(f"{last['bf16_bytes'] / last['cache_bytes']:.2f}x", (last["latent_frames"], last["cache_bytes"] / 2**30),
-                        xytext=(4, 0), textcoords="offset points", va="center", fontsize=7, color=COLORS.get(storage))
+                    color=COLORS.get(storage), label=f"{storage}, {setting}: {last['bf16_bytes'] / last['cache_bytes']:.2f}x")
     geo = meta["geometry"]
     ax.set(xlabel="video length (latent frames; 81 video frames = 21)", ylabel="resident KV cache (GiB, log scale)",
            yscale="log",
@@ -49,8 +47,8 @@ def memory_figure(report: dict) -> Figure:
     ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, ncol=2)
-    fig.text(0.01, 0.01, "exact bytes as the codecs allocate them (scripts/bench_memory.py); labels: vs BF16 "
-             "of the same frames", fontsize=6, color="dimgray")
+    fig.text(0.01, 0.01, "exact bytes as the codecs allocate them (scripts/bench_memory.py); legend: vs BF16 "
+             "of the same frames at the last length", fontsize=6, color="dimgray")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     return fig
 
@@ -61,8 +59,8 @@ def codec_figure(report: dict) -> Figure:
     rows, meta = report["rows"], report["meta"]
     lossy = [r for r in rows if r["attention_error_pre_rope"] > 0]
     lossless = [r["codec"] for r in rows if r["attention_error_pre_rope"] == 0]
-    colors = plt.get_cmap("tab20").colors
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120, sharex=True)
+    colors = plt.get_cmap("tab20").colors + plt.get_cmap("tab20b").colors  # 40: one per row
+    fig, axes = plt.subplots(1, 2, figsize=(12, 6.4), dpi=120, sharex=True)
     for ax, field, title in zip(axes, ("attention_error_pre_rope", "sharp_attention_error_pre_rope"),
                                 ("attention error", f"sharp attention error (queries x {meta['sharpness']:g})")):
         for i, r in enumerate(lossy):
@@ -75,14 +73,14 @@ def codec_figure(report: dict) -> Figure:
         ax.title.set_fontsize(9)
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("relL2 of softmax(QK^T)V, keys cached before RoPE")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="center right", fontsize=7,
-               title=f"codec (star: the default, {DEFAULT_CODEC};\nsquares: RTN/KIVI)", title_fontsize=7)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", fontsize=7, ncol=4, bbox_to_anchor=(0.5, 0.03),
+               title=f"codec (star: the default, {DEFAULT_CODEC}; squares: RTN/KIVI/NVFP4)", title_fontsize=7)
     caption = (f"{meta['chunks']} chunks of {meta['tokens_per_chunk']} video-derived tokens, {meta['heads']} heads x "
                f"{meta['head_dim']}; {meta['command']}; {meta['date'][:10]}")
     if lossless:
         caption += f"; error 0 (not drawn): {', '.join(lossless)}"
     fig.text(0.01, 0.01, caption, fontsize=6, color="dimgray")
-    fig.tight_layout(rect=(0, 0.04, 0.83, 1))
+    fig.tight_layout(rect=(0, 0.3, 1, 1))
     return fig
 
 

@@ -28,6 +28,7 @@ def test_small_run_prints_the_table_and_json(tmp_path):
                      "K and V of a layer, one quantize_batch_into call (ours)",
                      "ours, 1 launch per tensor, K +RoPE and V", "K +RoPE (RotaryPairs) and V in 1 launch",
                      "dequantize_pair_into", "torch reference decoder", "plain 2-bit unpack",
+                     "nvfp4 (LongLive-2's format): ours, K +RoPE (RotaryPairs) and V in 1 launch",
                      "copy roofline"):
         assert any(expected in n for n in names), expected
     flash = next(r for r in report["rows"] if "flash-kmeans" in r["name"])
@@ -35,7 +36,7 @@ def test_small_run_prints_the_table_and_json(tmp_path):
         assert flash["ms"] is None and flash["error"] == "AssertionError: All tensors must be on CUDA"
         assert "| failed |" in result.stdout and "ERROR AssertionError" in result.stdout
     later = report["rows"][report["rows"].index(flash) + 1:]
-    assert [r["section"] for r in later].count("dequantize") == 8
+    assert [r["section"] for r in later].count("dequantize") == 10
     launches = [r for r in report["rows"] if r["section"] == "launches"]
     if not torch.cuda.is_available():  # the interpreter runs nothing on a device: one row says so
         assert [(r["name"], r["ms"], r["note"]) for r in launches] == [

@@ -51,11 +51,13 @@ def test_refuses_what_it_does_not_model():
 def test_self_forcing_geometry_rows(tmp_path):
     rows = load("bench_memory").main(["--max-frames", "42", "--json", str(tmp_path / "memory.json")])
     at = {(r["storage"], r["setting"], r["latent_frames"]): r for r in rows}
-    assert len(rows) == 3 * 2 * 14
+    assert len(rows) == 4 * 2 * 14  # bf16, qvg-int2, qvg-int4, nvfp4
     # 21 latent frames, no window: 7 chunks of 4680 tokens x 12 heads x 128, K and V, 30 layers, in BF16.
     assert at["bf16", "no window", 21]["cache_bytes"] == 30 * 7 * 2 * 4680 * 12 * 128 * 2
     qvg = at["qvg-int2", "no window", 21]
     assert qvg["bf16_bytes"] / qvg["cache_bytes"] == pytest.approx(7.11, abs=0.01)  # docs/benchmarks.md
+    fp4 = at["nvfp4", "no window", 21]
+    assert fp4["cache_bytes"] == 30 * 7 * 2 * 4680 * 12 * (64 + 8) + 30 * 2 * 7 * 12 * 4  # codes, e4m3 and fp32 scales
     windowed = [at["qvg-int2", "window 21, sink 3", f]["cache_bytes"] for f in (21, 30, 42)]
     assert windowed[0] == windowed[1] == windowed[2]  # the window keeps the cache flat
     assert json.loads((tmp_path / "memory.json").read_text())["rows"] == rows
