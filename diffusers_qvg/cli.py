@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--height", type=int, help="pixels, a multiple of 16 (default 480, or 160 for the embedded "
                         "model: QVG's 256 centroids need >= 256 tokens per chunk)")
     parser.add_argument("--width", type=int, help="pixels, a multiple of 16 (default 832, or 160 for the embedded model)")
-    parser.add_argument("--kv-cache", default="qvg-int2", help="bf16, qvg-int2, qvg-int4 or kivi-int2")
+    parser.add_argument("--kv-cache", default="qvg-int2", help="bf16, qvg-int2, qvg-int4, kivi-int2 or nvfp4 (LongLive-2's)")
     parser.add_argument("--window-frames", type=int, help="latent frames attended to (counting the sink)")
     parser.add_argument("--sink-frames", type=int, default=0, help="first latent frames never evicted")
     parser.add_argument("--keep-recent-chunks", type=int, default=0, help="finished chunks kept unquantized "

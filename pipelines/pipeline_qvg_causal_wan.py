@@ -311,7 +311,7 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             num_frames: ``1 + 4 * (3k - 1)`` for chunks of 3 latent frames (9, 21, ..., 81, ...), any length:
                 beyond ``window_frames`` the cache slides, its first ``sink_frames`` pinned.
             kv_cache: storage of the packed history, ``"bf16"``, ``"qvg-int2"``, ``"qvg-int4"``,
-                ``"kivi-int2"`` or a codec config such as ``diffusers_qvg.QVGConfig(...)``.
+                ``"kivi-int2"``, ``"nvfp4"`` (LongLive-2's) or a codec config such as ``diffusers_qvg.QVGConfig(...)``.
             window_frames: latent frames attended to (counting the sink and the chunk); ``None``: all.
             sink_frames: first latent frames never evicted (LongLive uses 3 with a window of 12).
             keep_recent_chunks: finished chunks kept unquantized before they are packed (0: every chunk is
