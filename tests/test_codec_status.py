@@ -19,9 +19,11 @@ CODECS = {
     "rtn": (dq.QVGConfig.rtn(), "value"),
     "kivi-keys": (dq.KIVIConfig(key_group_tokens=8), "key"),
     "nvfp4": (dq.NVFP4Config(), "value"),
-    # The Triton encoder (in the interpreter on CPU) checks inside its kernels and gates every store there.
+    # The Triton encoders (in the interpreter on CPU): QVG's checks inside its kernels and gates every store there,
+    # NVFP4's encodes into temporaries that the gated copies store.
     "qvg-triton": (dq.QVGConfig(num_centroids=4, kmeans_iters=1), "value"),
     "rtn-triton": (dq.QVGConfig.rtn(), "value"),
+    "nvfp4-triton": (dq.NVFP4Config(), "value"),
 }
 
 

@@ -184,6 +184,36 @@ def nvfp4_decoder_compiles_as_launched() -> None:
     print(f"nvfp4 window decoder (K+V, RoPE): {registers} registers, no spills")
 
 
+def nvfp4_encoder_compiles_as_launched() -> None:
+    """LongLive-2's format written as the clean pass writes it, chunks of 4,680 and 1,560 tokens (a first frame):
+    one binary for both (the token count is not specialised), no spills, IEEE divisions only, no FMA."""
+    import diffusers_qvg as dq
+    from diffusers_qvg.codecs.kernel_backend import backend
+    from diffusers_qvg.codecs.nvfp4 import triton_encode
+
+    config, guard = dq.NVFP4Config(), triton_encode.check_runnable
+    triton_encode.check_runnable = lambda *tensors: None
+    try:
+        with launches_compile_for_sm90() as launched, backend("triton"):
+            for tokens in (4680, 1560):
+                storage = config.allocate(batch=1, capacity_tokens=tokens, heads=12, head_dim=128, num_slots=1,
+                                          dtype=torch.bfloat16, device="meta")
+                triton_encode.encode_blocks(torch.empty(1, tokens, 12, 128, dtype=torch.bfloat16, device="meta"),
+                                            storage.tensor_scale[0], "four-over-six")
+    finally:
+        triton_encode.check_runnable = guard
+    assert [fn for fn, _, _ in launched] == [triton_encode._encode_kernel] * 2
+    assert launched[0][1].hash == launched[1][1].hash, "a chunk length recompiled the encoder"
+    _, kernel, report = launched[0]
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert spills and all(a == b == "0" for a, b in spills), report
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    assert registers <= 128, report
+    assert kernel.metadata.enable_fp_fusion is False and fma_count(kernel.asm["ptx"]) == 0
+    assert_ieee_division(kernel.asm["ptx"])
+    print(f"nvfp4 encoder: {registers} registers, no spills")
+
+
 def encoder_launches(calls) -> list:
     """The launches of ``calls()`` (QVG encoder writes on meta tensors), each compiled for sm_90 as launched."""
     from diffusers_qvg.codecs.qvg import backend
@@ -285,13 +315,15 @@ def test_kernels_compile_for_sm90():
         env.update(TRITON_CACHE_DIR=cache, TRITON_DUMP_PTXAS_LOG="1")
         run = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
-    assert [line for line in run.stdout.split() if line == "compiled"] == ["compiled"] * 5
+    assert [line for line in run.stdout.split() if line == "compiled"] == ["compiled"] * 6
 
 
 if __name__ == "__main__":
     window_decoder_compiles_as_launched()
     print("compiled")
     nvfp4_decoder_compiles_as_launched()
+    print("compiled")
+    nvfp4_encoder_compiles_as_launched()
     print("compiled")
     residual_quantizer_compiles()
     print("compiled")

@@ -20,21 +20,57 @@ first channel in the low nibble. 4.5 bits per element (3.56x smaller than BF16),
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import ClassVar
 
 import torch
 
 from ..base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
 from ..groups import MAX_ABS_INPUT
-from ..kernel_backend import decode_unsupported, use_triton
+from ..kernel_backend import TRITON_DTYPES, decode_unsupported, use_triton
 from ..status import WriteStatus
-from .format import BLOCK, NVFP4Packed, decode_reference, e2m1_codes, e2m1_values, pack_pairs
+from .format import (
+    BLOCK, E2M1_MAX, E4M3_TINY, SCALE_RULES, NVFP4Packed, ScaleRule, decode_reference, e2m1_codes, e2m1_values, pack_pairs,
+)
 
-E2M1_MAX = 6.0
-E4M3_TINY = 2.0**-6  # the smallest normal e4m3: torchao's floor for a block scale
-# Per scale rule: the e4m3 range the block scales may use, and the magnitudes a block's largest value may map to.
-SCALE_RULES: dict[str, tuple[float, tuple[float, ...]]] = {"static-6": (448.0, (6.0,)), "four-over-six": (256.0, (6.0, 4.0))}
-ScaleRule = Literal["static-6", "four-over-six"]
+
+
+def second_level_scale(x: torch.Tensor, e4m3_range: float) -> torch.Tensor:
+    """``amax / (6 * e4m3 range)`` per (batch, head) of ``x`` [B, N, H, D] as float32 [B, H]; 1 where a head is 0."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=(1, 3)).float()  # max |x|, exact, one reduction
+    return torch.where(amax > 0, amax / (E2M1_MAX * e4m3_range), 1.0)
+
+
+def tree_sum16(e: torch.Tensor) -> torch.Tensor:
+    """Sum of the last dim (16) in a fixed pairwise order, the Triton encoder's: a candidate's error is the same
+    float32 on every device, so the choice between the scales is too."""
+    for _ in range(4):
+        e = e[..., 0::2] + e[..., 1::2]
+    return e[..., 0]
+
+
+def encode_blocks_reference(x: torch.Tensor, g: torch.Tensor, scale_rule: ScaleRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block codes and e4m3 scales of ``x`` [B, N, H, D] under second-level scales ``g`` [B, H] (the CPU path,
+    and the Triton encoder's oracle): packed codes [B, N, H, D / 2] uint8, scales [B, N, H, D / 16] e4m3."""
+    maxima = SCALE_RULES[scale_rule][1]
+    blocks = x.float().unflatten(-1, (-1, BLOCK))  # [B, N, H, D / 16, 16]
+    block_max = blocks.abs().amax(dim=-1)
+    g_blocks = g[:, None, :, None]
+    in_units = blocks / g_blocks[..., None]  # the errors compared in units of g: squares of tiny values underflow
+    codes, scale, err = None, None, None
+    for mapped_to in maxima:  # each candidate scale; a later one wins only where strictly better
+        c_scale = (block_max / mapped_to / g_blocks).clamp(E4M3_TINY, 448.0).to(torch.float8_e4m3fn)
+        c_codes = e2m1_codes((blocks * ((1.0 / g_blocks) / c_scale.float())[..., None]).clamp(-E2M1_MAX, E2M1_MAX))
+        if len(maxima) == 1:
+            return pack_pairs(c_codes), c_scale
+        c_err = tree_sum16((e2m1_values(c_codes, torch.float32) * c_scale.float()[..., None] - in_units).square())
+        if err is None:
+            codes, scale, err = c_codes, c_scale, c_err
+        else:
+            better = c_err < err
+            codes = torch.where(better[..., None], c_codes, codes)
+            scale = torch.where(better, c_scale.view(torch.uint8), scale.view(torch.uint8)).view(torch.float8_e4m3fn)
+            err = torch.minimum(c_err, err)
+    return pack_pairs(codes), scale
 
 
 @dataclass(frozen=True)
@@ -71,31 +107,15 @@ class NVFP4Config(CodecConfig):
         )
 
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``x`` [B, N, H, D] as (packed codes, e4m3 block scales, float32 second-level scales [B, H])."""
-        B, N, H, D = x.shape
-        e4m3_range, maxima = SCALE_RULES[self.scale_rule]
-        x = x.float()
-        amax = x.abs().amax(dim=(1, 3))  # [B, H]
-        g = torch.where(amax > 0, amax / (E2M1_MAX * e4m3_range), 1.0)
-        blocks = x.unflatten(-1, (-1, BLOCK))  # [B, N, H, D / 16, 16]
-        block_max = blocks.abs().amax(dim=-1)
-        g_blocks = g[:, None, :, None]
-        in_units = blocks / g_blocks[..., None]  # the errors compared in units of g: squares of tiny values underflow
-        codes, scale, err = None, None, None
-        for mapped_to in maxima:  # each candidate scale; a later one wins only where strictly better
-            c_scale = (block_max / mapped_to / g_blocks).clamp(E4M3_TINY, 448.0).to(torch.float8_e4m3fn)
-            c_codes = e2m1_codes((blocks * ((1.0 / g_blocks) / c_scale.float())[..., None]).clamp(-E2M1_MAX, E2M1_MAX))
-            if len(maxima) == 1:
-                return pack_pairs(c_codes), c_scale, g
-            c_err = (e2m1_values(c_codes, torch.float32) * c_scale.float()[..., None] - in_units).square().sum(dim=-1)
-            if err is None:
-                codes, scale, err = c_codes, c_scale, c_err
-            else:
-                better = c_err < err
-                codes = torch.where(better[..., None], c_codes, codes)
-                scale = torch.where(better, c_scale.view(torch.uint8), scale.view(torch.uint8)).view(torch.float8_e4m3fn)
-                err = torch.minimum(c_err, err)
-        return pack_pairs(codes), scale, g
+        """``x`` [B, N, H, D] as (packed codes, e4m3 block scales, float32 second-level scales [B, H]): the Triton
+        encoder on CUDA (bit-identical), the reference elsewhere."""
+        g = second_level_scale(x, SCALE_RULES[self.scale_rule][0])
+        if use_triton(x.device, None if x.dtype in TRITON_DTYPES else f"{x.dtype} input (bfloat16, float16 or float32 only)"):
+            from .triton_encode import encode_blocks
+        else:
+            encode_blocks = encode_blocks_reference
+        codes, scales = encode_blocks(x, g, self.scale_rule)
+        return codes, scales, g
 
     def quantize_into(
         self,

@@ -5,6 +5,7 @@ How the scales are chosen is :mod:`.codec`'s."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -15,6 +16,11 @@ BLOCK = 16  # channels per e4m3 scale
 # The e2m1 magnitudes in code order (a code's low three bits; bit 3 is the sign), and the midpoints between them.
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_MAX = 6.0
+E4M3_TINY = 2.0**-6  # the smallest normal e4m3: torchao's floor for a block scale
+# Per scale rule: the e4m3 range the block scales may use, and the magnitudes a block's largest value may map to.
+SCALE_RULES: dict[str, tuple[float, tuple[float, ...]]] = {"static-6": (448.0, (6.0,)), "four-over-six": (256.0, (6.0, 4.0))}
+ScaleRule = Literal["static-6", "four-over-six"]
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:

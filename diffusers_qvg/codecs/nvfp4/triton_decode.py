@@ -9,7 +9,7 @@ pair (channels ``2j`` and ``2j + 1``), so the rotation needs no shuffle, and eve
 layout (no shared-memory conversion; on sm_90 55 registers, 56% occupancy: docs/benchmarks.md).
 
 The arithmetic is :func:`.format.decode_reference`'s, in its order: e2m1 values built from their bits
-(exact, no select: see :func:`_e2m1`), times ``e4m3 scale * tensor scale`` (one float32 product, as the
+(exact, no select: see :func:`e2m1_float`), times ``e4m3 scale * tensor scale`` (one float32 product, as the
 reference rounds it), rotated as :func:`~diffusers_qvg.rotary.rotate`, cast once; compiled without fused
 multiply-adds, so the output is bit-identical to the reference.
 """
@@ -35,7 +35,7 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _e2m1(magnitude_bits, sign_bits):
+def e2m1_float(magnitude_bits, sign_bits):
     """float32 values of e2m1 codes, exactly, from their bits placed as float32 fields: ``magnitude_bits`` the
     code's 3 magnitude bits at bits 22-24 (exponent ``e`` at 23-24, mantissa ``m`` at 22), ``sign_bits`` its
     sign at bit 31. That is the float ``2^(e - 127) * (1 + m / 2)``, or the subnormal ``m * 2^-127`` where
@@ -86,8 +86,8 @@ def _window_kernel(
         ok3 = ok[:, :, None]
         byte = tl.load(codes_p + t0 * s_codes_t + byte_off[:, :, None] + four * s_codes_c, mask=ok3, other=0).to(tl.uint32)
         scale = (tl.load(scales_p + t0 * s_scales_t + scale_off, mask=ok).to(tl.float32) * tscale)[:, :, None]
-        x1 = _e2m1((byte & 0x07) << 22, (byte & 0x08) << 28) * scale  # [BT, NW_PAD, 4]: the even channels (low nibbles)
-        x2 = _e2m1((byte & 0x70) << 18, (byte & 0x80) << 24) * scale  # the odd channels (high nibbles)
+        x1 = e2m1_float((byte & 0x07) << 22, (byte & 0x08) << 28) * scale  # [BT, NW_PAD, 4]: the even channels (low nibbles)
+        x2 = e2m1_float((byte & 0x70) << 18, (byte & 0x80) << 24) * scale  # the odd channels (high nibbles)
         if ROTARY:  # Wan's interleaved pairs: (x1 cos - x2 sin, x1 sin + x2 cos), cos at even, sin at odd channels
             if key:
                 cos = tl.load(cos_p + t0 * s_cos_t + cos_off[:, :, None] + eight * s_cos_d, mask=ok3)
