@@ -334,6 +334,13 @@ def main(argv: list[str] | None = None) -> None:
     # LongLive-2's format (NVFP4, four-over-six scales) through this package's kernel and reference decoder.
     with table.guard("dequantize", "nvfp4: setup"):
         fp4 = dq.NVFP4Config()
+        own = fp4.allocate(batch=1, capacity_tokens=n, heads=H, head_dim=D, num_slots=1, dtype=x.dtype, device=device)
+        status = WriteStatus(device)
+        for mode, label in (("triton", "ours (Triton encoder)"), ("torch", "torch reference encoder")):
+            with backend(mode):
+                table.time("quantize", f"nvfp4 (LongLive-2's format): K and V of a layer, two quantize_into calls, {label}",
+                           lambda: [fp4.quantize_into(own, t, token_start=0, slot=0, status=status) for t in (x, v)],
+                           note="as the cache writes: a device-side write status, no sync")
         stores, packed_bytes, note = packed_window(fp4)
         for mode, label in (("triton", "ours, K +RoPE (RotaryPairs) and V in 1 launch"), ("torch", "torch reference decoder, K +RoPE and V")):
             with backend(mode):
@@ -413,6 +420,20 @@ def window_read_for_sm90_profile(codec: str = "qvg-int2") -> None:
 def nvfp4_window_read_for_sm90_profile() -> None:
     """The same read of LongLive-2's format (``--call scripts/bench_kernels.py:nvfp4_window_read_for_sm90_profile``)."""
     window_read_for_sm90_profile("nvfp4")
+
+
+
+def nvfp4_quantize_for_sm90_profile() -> None:
+    """One chunk tensor [1, 4680, 12, 128] bf16 encoded as LongLive-2's format, as the cache's clean pass writes it
+    (``--call scripts/bench_kernels.py:nvfp4_quantize_for_sm90_profile``)."""
+    import diffusers_qvg as dq
+    from diffusers_qvg.codecs.kernel_backend import backend
+
+    config = dq.NVFP4Config()
+    storage = config.allocate(batch=1, capacity_tokens=4680, heads=12, head_dim=128, num_slots=1, dtype=torch.bfloat16, device="cpu")
+    with backend("triton"):
+        config.quantize_into(storage, torch.randn(1, 4680, 12, 128).bfloat16(), token_start=0, slot=0)
+
 
 if __name__ == "__main__":
     main()
