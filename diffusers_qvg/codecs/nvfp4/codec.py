@@ -33,7 +33,6 @@ from .format import (
 )
 
 
-
 def second_level_scale(x: torch.Tensor, e4m3_range: float) -> torch.Tensor:
     """``amax / (6 * e4m3 range)`` per (batch, head) of ``x`` [B, N, H, D] as float32 [B, H]; 1 where a head is 0."""
     amax = torch.linalg.vector_norm(x, float("inf"), dim=(1, 3)).float()  # max |x|, exact, one reduction
