@@ -191,15 +191,16 @@ def device_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
-def settings_for(storages: list[str], keeps: list[int]) -> list[tuple[str, bool, int]]:
+def settings_for(storages: list[str], keeps: list[int], rotated: list[str] = ()) -> list[tuple[str, bool, int]]:
     """(storage, keys before RoPE, keep_recent_chunks): "bf16" is the plain anchor (rotated keys) and the
-    same cache with keys stored before RoPE; other storages store keys before RoPE, with each ``keep``."""
+    same cache with keys stored before RoPE; other storages store keys before RoPE, with each ``keep``, and
+    those in ``rotated`` also after RoPE (as LongLive-2 stores its NVFP4 cache)."""
     settings = []
     for storage in storages:
         if storage == "bf16":
             settings += [("bf16", False, PIPELINE_KEEP), ("bf16", True, PIPELINE_KEEP)]
         else:
-            settings += [(storage, True, keep) for keep in keeps]
+            settings += [(storage, before, keep) for before in (True, False)[: 1 + (storage in rotated)] for keep in keeps]
     return settings
 
 
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--keep-recent-chunks", type=int, nargs="+", default=[PIPELINE_KEEP, 1],
                         help=f"settings for the compressed storages (default: the pipeline's {PIPELINE_KEEP}, and 1); "
                         "the bf16 rows run with the pipeline's")
+    parser.add_argument("--rotated-keys", nargs="+", default=[], metavar="STORAGE",
+                        help="storages also run with keys stored after RoPE (e.g. nvfp4, as LongLive-2 stores it)")
     parser.add_argument("--window-frames", type=int, default=None, help="sliding window (default: whole video)")
     parser.add_argument("--compile", nargs="?", const="default", default=None,
                         help="then compile the transformer with this torch.compile mode and run every setting again")
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         enable_ulysses(pipe.transformer, args.ulysses)
     text_dim = pipe.transformer.config.text_dim
     text = torch.randn(1, 512, text_dim, generator=torch.Generator().manual_seed(0)).to(device, dtype)
-    settings = settings_for(args.storages, args.keep_recent_chunks)
+    settings = settings_for(args.storages, args.keep_recent_chunks, args.rotated_keys)
     if not args.small:  # warm-up: kernels, allocator, k-means paths (a failure shows in its rows)
         for setting in settings:
             guarded_video(pipe, setting, 3 * 3, args, text, device, profile=False)

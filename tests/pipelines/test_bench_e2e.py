@@ -84,3 +84,15 @@ def test_bench_e2e_small_compiled_rows(capsys):
     assert len(anchors) == 2 and all("| 1.000x | +0.0% |" in line for line in anchors), anchors
     against = compiled[1]["seconds_per_chunk"] / compiled[0]["seconds_per_chunk"]
     assert any(line.startswith("| 9 | yes | bf16 | before RoPE |") and f"| {against:.3f}x |" in line for line in lines)
+
+
+def test_rotated_keys_add_longlive_2_s_setting_for_the_storages_named():
+    bench = load()
+    assert bench.settings_for(["bf16", "nvfp4", "qvg-int2"], [0, 1], ["nvfp4"]) == [
+        ("bf16", False, 0), ("bf16", True, 0),
+        ("nvfp4", True, 0), ("nvfp4", True, 1), ("nvfp4", False, 0), ("nvfp4", False, 1),  # before RoPE, then after
+        ("qvg-int2", True, 0), ("qvg-int2", True, 1),
+    ]
+    rows = bench.main(["--small", "--storages", "nvfp4", "--rotated-keys", "nvfp4", "--keep-recent-chunks", "0"])
+    assert [(r["storage"], r["keys_before_rope"], r["error"]) for r in rows] == [("nvfp4", True, None), ("nvfp4", False, None)]
+    assert rows[0]["kv_bytes"] == rows[1]["kv_bytes"] > 0  # the same packed bytes, keys rotated or not
