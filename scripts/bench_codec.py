@@ -56,6 +56,8 @@ def codec_rows() -> dict[str, tuple[dq.CodecConfig, bool]]:
         "qvg-int2 coarse scale search, 2 Lloyd iters": (dq.QVGConfig(scale_search="mse-coarse", kmeans_iters=2), False),
         # LongLive-2's cache is the preset "nvfp4" (four-over-six scales); plain NVFP4 beside it.
         "nvfp4 static-6": (dq.NVFP4Config(scale_rule="static-6"), False),
+        # SGLang's packed QVG cache runs the official encoder with its own defaults: 4 bits, 128 centroids.
+        "sglang defaults (official int4, 128 centroids)": (dq.QVGConfig.official(bits=4).with_(num_centroids=128), False),
     }
     return rows
 

@@ -74,7 +74,7 @@ def codec_figure(report: dict) -> Figure:
         ax.grid(alpha=0.3, which="both")
     axes[0].set_ylabel("relL2 of softmax(QK^T)V, keys cached before RoPE")
     fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", fontsize=7, ncol=4, bbox_to_anchor=(0.5, 0.03),
-               title=f"codec (star: the default, {DEFAULT_CODEC}; squares: RTN/KIVI/NVFP4)", title_fontsize=7)
+               title=f"codec (star: the default, {DEFAULT_CODEC}; squares: RTN, KIVI, LongLive-2, SGLang)", title_fontsize=7)
     caption = (f"{meta['chunks']} chunks of {meta['tokens_per_chunk']} video-derived tokens, {meta['heads']} heads x "
                f"{meta['head_dim']}; {meta['command']}; {meta['date'][:10]}")
     if lossless:
