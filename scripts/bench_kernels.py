@@ -422,7 +422,6 @@ def nvfp4_window_read_for_sm90_profile() -> None:
     window_read_for_sm90_profile("nvfp4")
 
 
-
 def nvfp4_quantize_for_sm90_profile() -> None:
     """One chunk tensor [1, 4680, 12, 128] bf16 encoded as LongLive-2's format, as the cache's clean pass writes it
     (``--call scripts/bench_kernels.py:nvfp4_quantize_for_sm90_profile``)."""

@@ -58,6 +58,16 @@ def decode_unsupported(out: torch.Tensor, rotary: Rotary | None) -> str | None:
     return None
 
 
+def pair_decode_unsupported(key_out: torch.Tensor, value_out: torch.Tensor, rotary: Rotary | None) -> str | None:
+    """Why a decoder cannot take a layer's keys (rotated) and values in one call, or None."""
+    return decode_unsupported(key_out, rotary) or decode_unsupported(value_out, None)
+
+
+def input_unsupported(x: torch.Tensor) -> str | None:
+    """Why a Triton encoder cannot read ``x``, or None."""
+    return None if x.dtype in TRITON_DTYPES else f"{x.dtype} input (bfloat16, float16 or float32 only)"
+
+
 def check_runnable(*tensors: torch.Tensor) -> None:
     """Kernels run on CUDA tensors, or on CPU under Triton's interpreter; one device for all operands."""
     devices = {t.device for t in tensors}

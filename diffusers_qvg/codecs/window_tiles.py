@@ -57,3 +57,20 @@ def check_window_call(out: torch.Tensor, segments: SegmentTable, per_token: Sequ
                 "more than 2^31 elements; use contiguous [batch, tokens, heads, head_dim] tensors"
             )
     return rope
+
+
+def rope_operands(rope: tuple[torch.Tensor, ...], placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A launch's cos and sin operands: a RotaryPairs table as both, dense (cos, sin) as given, or, without RoPE,
+    a placeholder the kernel never reads."""
+    if len(rope) == 1:
+        return rope[0], rope[0]
+    return rope if rope else (placeholder, placeholder)
+
+
+def one_launch_fits(keys: tuple[Sequence[torch.Tensor], Sequence[int]], values: tuple[Sequence[torch.Tensor], Sequence[int]]) -> bool:
+    """Whether a layer's key and value operands (a decoder's ``(tensors, launch strides)``) can share one launch:
+    the same strides, and tensors of the same dtypes and shapes."""
+    (k_tensors, k_strides), (v_tensors, v_strides) = keys, values
+    return list(k_strides) == list(v_strides) and all(
+        k.dtype == v.dtype and k.shape == v.shape for k, v in zip(k_tensors, v_tensors, strict=True))
+

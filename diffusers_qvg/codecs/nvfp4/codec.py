@@ -26,7 +26,7 @@ import torch
 
 from ..base import CodecConfig, HeadSlice, Packed, Role, SegmentTable
 from ..groups import MAX_ABS_INPUT
-from ..kernel_backend import TRITON_DTYPES, decode_unsupported, use_triton
+from ..kernel_backend import decode_unsupported, input_unsupported, pair_decode_unsupported, use_triton
 from ..status import WriteStatus
 from .format import (
     BLOCK, E2M1_MAX, E4M3_TINY, SCALE_RULES, NVFP4Packed, ScaleRule, decode_reference, e2m1_codes, e2m1_values, pack_pairs,
@@ -109,7 +109,7 @@ class NVFP4Config(CodecConfig):
         """``x`` [B, N, H, D] as (packed codes, e4m3 block scales, float32 second-level scales [B, H]): the Triton
         encoder on CUDA (bit-identical), the reference elsewhere."""
         g = second_level_scale(x, SCALE_RULES[self.scale_rule][0])
-        if use_triton(x.device, None if x.dtype in TRITON_DTYPES else f"{x.dtype} input (bfloat16, float16 or float32 only)"):
+        if use_triton(x.device, input_unsupported(x)):
             from .triton_encode import encode_blocks
         else:
             encode_blocks = encode_blocks_reference
@@ -153,7 +153,7 @@ class NVFP4Config(CodecConfig):
         """Keys (rotated) and values of one table in one Triton launch (see :meth:`CodecConfig.dequantize_pair_into`)."""
         self.check_segments(key_storage, segments, key_out, rotary)
         self.check_segments(value_storage, segments, value_out)
-        if use_triton(key_out.device, decode_unsupported(key_out, rotary) or decode_unsupported(value_out, None)):
+        if use_triton(key_out.device, pair_decode_unsupported(key_out, value_out, rotary)):
             from .triton_decode import dequantize_pair_into
 
             dequantize_pair_into(key_storage, value_storage, segments, key_out, value_out, rotary)

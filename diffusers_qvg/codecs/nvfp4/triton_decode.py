@@ -24,7 +24,7 @@ from ...rotary import Rotary, rotary_tensors
 from ..base import SegmentTable
 from ..kernel_backend import INTERPRETING
 from ..qvg.triton.numerics import cast_exact
-from ..window_tiles import check_window_call, tile_program
+from ..window_tiles import check_window_call, one_launch_fits, rope_operands, tile_program
 from .format import NVFP4Packed
 
 # Tokens per block: on sm_90, 16 tokens x 16 runs of 8 channels per 128 threads, 2 runs per thread (32 tokens:
@@ -111,7 +111,7 @@ def _launch(segments: SegmentTable, outs: list[torch.Tensor], storages: list[NVF
     """One launch decoding ``storages`` (1: keys or values; 2: keys then values, same layout) into ``outs``."""
     B, _, H, D = storages[0].shape
     rope = rotary_tensors(rotary) if rotary is not None else ()
-    cos, sin = (rope[0], rope[0]) if len(rope) == 1 else rope if rope else (outs[0], outs[0])
+    cos, sin = rope_operands(rope, outs[0])
     k_ops, strides = _operands(storages[0], outs[0])
     v_ops, _ = _operands(storages[-1], outs[-1])
     _window_kernel[(H, segments.tiles.shape[0], B * len(storages))](
@@ -143,8 +143,7 @@ def dequantize_pair_into(
     check_window_call(value_out, segments, [value_storage.codes, value_storage.scales], None)
     if not (len(segments.tiles) and key_out.shape[1]):
         return
-    (k_tensors, k_strides), (v_tensors, v_strides) = _operands(key_storage, key_out), _operands(value_storage, value_out)
-    if k_strides == v_strides and all(a.dtype == b.dtype and a.shape == b.shape for a, b in zip(k_tensors, v_tensors)):
+    if one_launch_fits(_operands(key_storage, key_out), _operands(value_storage, value_out)):
         _launch(segments, [key_out, value_out], [key_storage, value_storage], rotary)
     else:
         _launch(segments, [key_out], [key_storage], rotary)

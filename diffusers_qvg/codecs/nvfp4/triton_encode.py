@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..kernel_backend import INTERPRETING, check_runnable
+from ..kernel_backend import INTERPRETING, check_runnable, input_unsupported
 from ..qvg.triton.numerics import clamp, f32_to_e4m3, round_scale
 from .format import BLOCK, E2M1_MAX, E4M3_TINY, SCALE_RULES, ScaleRule
 from .triton_decode import e2m1_float
@@ -108,8 +108,8 @@ def encode_blocks(x: torch.Tensor, g: torch.Tensor, scale_rule: ScaleRule) -> tu
     """Triton twin of :func:`.codec.encode_blocks_reference` (one launch)."""
     check_runnable(x, g)
     B, N, H, D = x.shape
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"the Triton NVFP4 encoder reads bfloat16/float16/float32, got {x.dtype}; use the torch backend")
+    if why := input_unsupported(x):
+        raise ValueError(f"the Triton NVFP4 encoder cannot take a {why}; use the torch backend")
     codes = torch.empty(B, N, H, D // 2, dtype=torch.uint8, device=x.device)
     scales = torch.empty(B, N, H, D // BLOCK, dtype=torch.float8_e4m3fn, device=x.device)
     if x.numel():

@@ -6,7 +6,7 @@ import torch
 
 from ...rotary import Rotary
 from ..base import SegmentTable
-from ..kernel_backend import TRITON_DTYPES, decode_unsupported, use_triton
+from ..kernel_backend import decode_unsupported, input_unsupported, pair_decode_unsupported, use_triton
 from .config import QVGConfig
 from .format import QVGPacked
 
@@ -28,8 +28,7 @@ def dequantize_pair_into(
     rotary: Rotary | None = None,
 ) -> None:
     """Keys (rotated) and values: one Triton launch, or the reference twice."""
-    unsupported = decode_unsupported(key_out, rotary) or decode_unsupported(value_out, None)
-    if use_triton(key_out.device, unsupported):
+    if use_triton(key_out.device, pair_decode_unsupported(key_out, value_out, rotary)):
         from .triton.dequantize import dequantize_pair_into
 
         dequantize_pair_into(key_storage, value_storage, segments, key_out, value_out, rotary)
@@ -45,9 +44,7 @@ def use_triton_encoder(config: QVGConfig, x: torch.Tensor) -> bool:
 
     The Triton kernels need float32 math (no float64 input) and a power-of-two group size.
     """
-    unsupported = None
-    if x.dtype not in TRITON_DTYPES:
-        unsupported = f"{x.dtype} input (bfloat16, float16 or float32 only)"
-    elif config.group_size & (config.group_size - 1):
+    unsupported = input_unsupported(x)
+    if unsupported is None and config.group_size & (config.group_size - 1):
         unsupported = f"group_size {config.group_size} (powers of two only)"
     return use_triton(x.device, unsupported)

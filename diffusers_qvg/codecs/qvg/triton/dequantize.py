@@ -32,7 +32,7 @@ import triton.language as tl
 
 from ....rotary import Rotary, rotary_tensors
 from ...base import INT32_MAX, SegmentTable
-from ...window_tiles import check_window_call, tile_program
+from ...window_tiles import check_window_call, one_launch_fits, rope_operands, tile_program
 from ..format import QVGPacked
 from . import INTERPRETING, centroid_scale_operand
 from .numerics import cast_exact
@@ -313,7 +313,7 @@ def _launch(storage: QVGPacked, segments: SegmentTable, outs: list[torch.Tensor]
     cfg = storage.config
     B, _, H, D = storage.shape
     rope = (rotary_tensors(rotary) if rotary is not None else ())
-    cos, sin = (rope[0], rope[0]) if len(rope) == 1 else rope if rope else (outs[0], outs[0])
+    cos, sin = rope_operands(rope, outs[0])
     ops = [_operands(s, o) for s, o in zip(storages, outs)]
     k_ops, strides = ops[0]
     v_ops = ops[-1][0]
@@ -334,8 +334,7 @@ def _launch(storage: QVGPacked, segments: SegmentTable, outs: list[torch.Tensor]
 
 def _same_layout(a: QVGPacked, a_out: torch.Tensor, b: QVGPacked, b_out: torch.Tensor) -> bool:
     """Whether two storages and workspaces can share one launch (one set of strides and constexprs)."""
-    (ta, sa), (tb, sb) = _operands(a, a_out), _operands(b, b_out)
-    return a.config == b.config and sa == sb and all(x.dtype == y.dtype and x.shape == y.shape for x, y in zip(ta, tb))
+    return a.config == b.config and one_launch_fits(_operands(a, a_out), _operands(b, b_out))
 
 
 def dequantize_into(storage: QVGPacked, segments: SegmentTable, out: torch.Tensor, rotary: Rotary | None = None) -> None:
