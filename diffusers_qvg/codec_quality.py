@@ -90,6 +90,48 @@ def attention_probe(data: VideoKV, queries: int = 256, sharpness: float = 4.0) -
     return AttentionProbe(scaled, {kind: attention(x, key, value) for kind, x in scaled.items()})
 
 
+@dataclass(frozen=True)
+class DecodedWindow:
+    """The window as a cache holding ``codec`` decodes it: every chunk packed on its own and read back.
+
+    ``key_pre_rope`` holds keys packed before RoPE and rotated after decoding, as the cache's read path does.
+    """
+
+    key: torch.Tensor
+    key_pre_rope: torch.Tensor
+    value: torch.Tensor
+    key_bytes: int
+    value_bytes: int
+    times: dict[str, list[float]]  # "quantize" / "dequantize" -> seconds per chunk-tensor call
+
+
+def decode_window(codec: CodecConfig, data: VideoKV, *, warm_start: bool = False) -> DecodedWindow:
+    """Pack ``data``'s K (after and before RoPE) and V chunk by chunk with ``codec`` and decode them back.
+
+    ``warm_start`` seeds each chunk's codec parameters from the previous chunk's (QVG's centroid caching).
+    """
+    times: dict[str, list[float]] = {"quantize": [], "dequantize": []}
+    key_hat, key_bytes = _pack_chunks(codec, data.key, data, "key", warm_start, times)
+    pre_hat, _ = _pack_chunks(codec, data.key_pre_rope, data, "key", warm_start, times)
+    value_hat, value_bytes = _pack_chunks(codec, data.value, data, "value", warm_start, times)
+    key_pre_rotated = apply_wan_rotary(pre_hat, data.cos, data.sin)
+    return DecodedWindow(key_hat, key_pre_rotated, value_hat, key_bytes, value_bytes, times)
+
+
+def cache_view(exact: torch.Tensor, decoded: torch.Tensor, exact_from: int) -> torch.Tensor:
+    """The cache's view in float32: tokens before ``exact_from`` decoded, the rest (recent and current) exact."""
+    view = decoded.to(torch.float32, copy=True)
+    view[:, exact_from:] = exact[:, exact_from:].float()
+    return view
+
+
+def exact_from(data: VideoKV, keep_recent: int) -> int:
+    """First token the cache holds exact: the current chunk's, or that of the ``keep_recent``-th chunk before it."""
+    if not 0 <= keep_recent < data.num_chunks:
+        raise ValueError(f"keep_recent={keep_recent} must lie in [0, {data.num_chunks - 1}] for {data.num_chunks} chunks")
+    return data.chunk(data.num_chunks - 1 - keep_recent).start
+
+
 def measure_codec(
     codec: CodecConfig, data: VideoKV, probe: AttentionProbe, *, warm_start: bool = False, keep_recent: int = 0
 ) -> CodecQuality:
@@ -99,37 +141,25 @@ def measure_codec(
     ``keep_recent`` finished chunks before the current one stay exact in the attention errors, as the cache's
     ``keep_recent_chunks`` keeps them unquantized.
     """
-    if not 0 <= keep_recent < data.num_chunks:
-        raise ValueError(f"keep_recent={keep_recent} must lie in [0, {data.num_chunks - 1}] for {data.num_chunks} chunks")
-    times: dict[str, list[float]] = {"quantize": [], "dequantize": []}
-    key_hat, key_bytes = _pack_chunks(codec, data.key, data, "key", warm_start, times)
-    pre_hat, _ = _pack_chunks(codec, data.key_pre_rope, data, "key", warm_start, times)
-    value_hat, value_bytes = _pack_chunks(codec, data.value, data, "value", warm_start, times)
-    key_pre_rotated = apply_wan_rotary(pre_hat, data.cos, data.sin)  # as the cache's read path rotates
-
-    exact_from = data.chunk(data.num_chunks - 1 - keep_recent).start
-
-    def read(exact: torch.Tensor, decoded: torch.Tensor) -> torch.Tensor:
-        """The cache's view: older chunks decoded, the recent ones and the current chunk exact."""
-        view = decoded.to(torch.float32, copy=True)
-        view[:, exact_from:] = exact[:, exact_from:].float()
-        return view
-
-    value_read = read(data.value, value_hat)
+    start = exact_from(data, keep_recent)
+    w = decode_window(codec, data, warm_start=warm_start)
+    value_read = cache_view(data.value, w.value, start)
     errors = {
-        (rope, kind): rel_l2(probe.references[kind], attention(probe.queries[kind], read(data.key, keys), value_read))
-        for rope, keys in (("post", key_hat), ("pre", key_pre_rotated))
+        (rope, kind): rel_l2(
+            probe.references[kind], attention(probe.queries[kind], cache_view(data.key, keys, start), value_read)
+        )
+        for rope, keys in (("post", w.key), ("pre", w.key_pre_rope))
         for kind in ("ordinary", "sharp")
     }
     return CodecQuality(
-        bits_per_element=8.0 * (key_bytes + value_bytes) / (data.key.numel() + data.value.numel()),
-        key_rel_l2=rel_l2(data.key, key_hat),
-        key_pre_rope_rel_l2=rel_l2(data.key, key_pre_rotated),
-        value_rel_l2=rel_l2(data.value, value_hat),
+        bits_per_element=8.0 * (w.key_bytes + w.value_bytes) / (data.key.numel() + data.value.numel()),
+        key_rel_l2=rel_l2(data.key, w.key),
+        key_pre_rope_rel_l2=rel_l2(data.key, w.key_pre_rope),
+        value_rel_l2=rel_l2(data.value, w.value),
         attention_error=errors["post", "ordinary"],
         sharp_attention_error=errors["post", "sharp"],
         attention_error_pre_rope=errors["pre", "ordinary"],
         sharp_attention_error_pre_rope=errors["pre", "sharp"],
-        quantize_ms=_warm_median_ms(times["quantize"]),
-        dequantize_ms=_warm_median_ms(times["dequantize"]),
+        quantize_ms=_warm_median_ms(w.times["quantize"]),
+        dequantize_ms=_warm_median_ms(w.times["dequantize"]),
     )
