@@ -218,6 +218,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--window-frames", type=int, default=None, help="sliding window (default: whole video)")
     parser.add_argument("--compile", nargs="?", const="default", default=None,
                         help="then compile the transformer with this torch.compile mode and run every setting again")
+    parser.add_argument("--attention-backend", default=None, metavar="NAME",
+                        help="diffusers attention backend for every row, the anchor's too (set_attention_backend; "
+                        "e.g. _sage_qk_int8_pv_fp8_cuda_sm90, 8-bit attention: docs/benchmarks.md, design 3)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--ulysses", type=int, default=1, metavar="N",
                         help="ranks per video under torchrun (Ulysses context parallelism; bytes are per rank)")
@@ -234,6 +237,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
 
     pipe = build_pipeline(args.small, device, dtype)
+    if args.attention_backend:  # before any row: a backend that cannot run fails here, naming its package
+        pipe.transformer.set_attention_backend(args.attention_backend)
     if args.ulysses > 1:
         enable_ulysses(pipe.transformer, args.ulysses)
     text_dim = pipe.transformer.config.text_dim
@@ -260,14 +265,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     ranks = f", Ulysses over {args.ulysses} ranks (bytes and peak memory per rank)" if args.ulysses > 1 else ""
     print(f"bench_e2e on {name}, {'tiny' if args.small else 'Wan2.1-1.3B'} geometry, {args.height}x{args.width}, "
-          f"{dtype}{ranks}; {TARGETS}")
+          f"{dtype}{ranks}, attention backend {args.attention_backend or 'default'}; {TARGETS}")
     print("\n".join(compare(rows)))
     device = device_lines(rows)
     print("\nThe last chunk's device time by kernel family (PyTorch profiler; that chunk is outside the medians):\n"
           + "\n".join(device) if device else "\n(no CUDA: no device times by kernel family)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump([dict(r, attention_backend=args.attention_backend) for r in rows], f, indent=2)
     return rows
 
 

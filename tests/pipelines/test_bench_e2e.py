@@ -96,3 +96,28 @@ def test_rotated_keys_add_longlive_2_s_setting_for_the_storages_named():
     rows = bench.main(["--small", "--storages", "nvfp4", "--rotated-keys", "nvfp4", "--keep-recent-chunks", "0"])
     assert [(r["storage"], r["keys_before_rope"], r["error"]) for r in rows] == [("nvfp4", True, None), ("nvfp4", False, None)]
     assert rows[0]["kv_bytes"] == rows[1]["kv_bytes"] > 0  # the same packed bytes, keys rotated or not
+
+
+def test_attention_backend_runs_every_row_and_an_unusable_one_fails_before_any(capsys, tmp_path, monkeypatch):
+    import pytest
+
+    from diffusers_qvg.attention import cached
+
+    seen = []
+
+    def recording(*args, backend=None, **kwargs):
+        seen.append(getattr(backend, "value", backend))
+        return dispatch(*args, backend=backend, **kwargs)
+
+    dispatch = cached.dispatch_attention_fn
+    monkeypatch.setattr(cached, "dispatch_attention_fn", recording)
+    bench = load()
+    out = tmp_path / "rows.json"
+    rows = bench.main(["--small", "--storages", "bf16", "qvg-int2", "--keep-recent-chunks", "0",
+                       "--attention-backend", "native", "--json", str(out)])
+    assert [r["error"] for r in rows] == [None, None, None]
+    assert seen and set(seen) == {"native"}  # every cached self-attention of every row, the anchor's too
+    assert {r["attention_backend"] for r in json.loads(out.read_text())} == {"native"}
+    assert "attention backend native;" in capsys.readouterr().out
+    with pytest.raises(RuntimeError, match="sageattention"):  # diffusers names the package to install
+        bench.main(["--small", "--storages", "bf16", "--attention-backend", "_sage_qk_int8_pv_fp8_cuda_sm90"])
