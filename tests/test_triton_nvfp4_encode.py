@@ -6,6 +6,7 @@ import torch
 
 import diffusers_qvg as dq
 from diffusers_qvg.codecs.kernel_backend import backend
+from diffusers_qvg.codecs.nvfp4 import codec as nvfp4_codec
 from diffusers_qvg.codecs.nvfp4.codec import encode_blocks_reference, second_level_scale, tree_sum16
 from diffusers_qvg.codecs.nvfp4.format import E2M1_GRID, SCALE_RULES
 from diffusers_qvg.codecs.nvfp4.triton_encode import encode_blocks
@@ -66,6 +67,49 @@ def test_strided_input_encodes_like_its_contiguous_copy():
     assert not strided.is_contiguous()
     codes, scales = assert_same_bytes(strided, "four-over-six")
     assert torch.equal(codes, encode_blocks(x, second_level_scale(x, 256.0), "four-over-six")[0])
+
+
+def _halves_first(e):
+    for _ in range(4):
+        e = e[..., : e.shape[-1] // 2] + e[..., e.shape[-1] // 2 :]
+    return e[..., 0]
+
+
+def _left_to_right(e):
+    total = torch.zeros(e.shape[:-1])
+    for i in range(e.shape[-1]):
+        total = total + e[..., i]
+    return total
+
+
+def test_exact_ties_are_decided_by_the_tree_sums_rounding(monkeypatch):
+    """Blocks whose two candidates' squared errors are the same 16 numbers in another order: their sums are equal
+    in exact arithmetic, so only the rounding of the summation order decides. With g = 1 (head max 1536) the
+    candidates' scales are 256 (max -> 6) and 384 (max -> 4); each pair (1152 + d, 1024 - d), d a multiple of
+    2^-13 (both exact in float32), has errors (128 + d)^2 and d^2 under the first and d^2 and (128 + d)^2 under
+    the second. Other orders decide some of these blocks the other way: a kernel summing in one fails here."""
+    gen = torch.Generator().manual_seed(0)
+    n = 400
+    d = torch.round((torch.rand(n, 7, generator=gen) * 60 + 0.5) * 2**13) / 2**13
+    slots = torch.stack([torch.randperm(15, generator=gen) + 1 for _ in range(n)])  # slot 0 holds the max
+    blocks = torch.zeros(n, 16)
+    blocks[:, 0] = 1536.0
+    blocks.scatter_(1, slots[:, :7], 1152 + d)
+    blocks.scatter_(1, slots[:, 7:14], 1024 - d)
+    x = blocks.view(1, n, 1, 16)
+    g = second_level_scale(x, SCALE_RULES["four-over-six"][0])
+    assert g.item() == 1.0
+    paired = (blocks > 0) & (blocks < 1536)  # each pair decodes to 1024 under the first scale, 1152 under the second
+    e6, e4 = ((torch.where(paired, level, blocks) - blocks).square() for level in (1024.0, 1152.0))
+    assert torch.equal(e6.sort(dim=1).values, e4.sort(dim=1).values)  # the same numbers: an exact tie
+
+    _, scales = assert_same_bytes(x.to(DEVICE), "four-over-six")
+    chosen = scales.view(torch.uint8).flatten().cpu()
+    assert set(chosen.tolist()) == {0x78, 0x7C}  # 256 and 384: the rounding picks each often
+    for other in (_halves_first, _left_to_right):
+        monkeypatch.setattr(nvfp4_codec, "tree_sum16", other)
+        decided = encode_blocks_reference(x, g, "four-over-six")[1].view(torch.uint8).flatten()
+        assert (decided != chosen).sum() > 10
 
 
 def test_the_tree_sum_adds_neighbours_first():
