@@ -128,7 +128,9 @@ def cache_view(exact: torch.Tensor, decoded: torch.Tensor, exact_from: int) -> t
 def exact_from(data: VideoKV, keep_recent: int) -> int:
     """First token the cache holds exact: the current chunk's, or that of the ``keep_recent``-th chunk before it."""
     if not 0 <= keep_recent < data.num_chunks:
-        raise ValueError(f"keep_recent={keep_recent} must lie in [0, {data.num_chunks - 1}] for {data.num_chunks} chunks")
+        raise ValueError(
+            f"keep_recent={keep_recent} must lie in [0, {data.num_chunks - 1}] for {data.num_chunks} chunks"
+        )
     return data.chunk(data.num_chunks - 1 - keep_recent).start
 
 

@@ -38,7 +38,7 @@ def _scale(x: torch.Tensor, per: str, top: float) -> torch.Tensor:
 
 
 def to_e4m3(x: torch.Tensor, per: str = "head") -> torch.Tensor:
-    """``x`` [B, tokens, heads, dim] rounded to e4m3, one scale per (batch, head[, channel | token]) mapping amax to 448."""
+    """``x`` [B, tokens, heads, dim] rounded to e4m3; one scale per (batch, head[, channel | token]), amax -> 448."""
     scale = _scale(x, per, E4M3_MAX)
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
@@ -54,12 +54,12 @@ class Kernel:
     """What a flash-attention kernel's two products take: ``qk`` for Q and K, ``pv`` for P and V (None: float32;
     ``torch.int8``: symmetric int8 with float32 scales, as SageAttention's Q K product).
 
-    ``smooth_k`` subtracts K's mean over the kernel's tokens before rounding (softmax-invariant: it shifts each
-    query's scores by one constant, which the log-sum-exp gets back for merging); ``v_per_channel`` gives V one e4m3 scale per channel, which the kernel
-    applies to the output's columns after the product. Both are SageAttention's. ``p_scale`` multiplies P
-    before it is rounded (SageAttention2 scales P to use e4m3's range), so that small probabilities stay normal
-    numbers. ``qk_per_token`` gives each query and key its own e4m3 scale, which the
-    kernel applies to the scores (an outer product: one multiply per score).
+    ``smooth_k`` subtracts K's mean over the kernel's tokens before rounding (softmax-invariant: it shifts
+    each query's scores by one constant, which the log-sum-exp gets back for merging); ``v_per_channel`` gives
+    V one e4m3 scale per channel, which the kernel applies to the output's columns after the product. Both are
+    SageAttention's. ``p_scale`` multiplies P before it is rounded (SageAttention2 scales P to use e4m3's
+    range), so that small probabilities stay normal numbers. ``qk_per_token`` gives each query and key its own
+    scale, which the kernel applies to the scores (an outer product: one multiply per score).
     """
 
     qk: torch.dtype | None
@@ -83,7 +83,9 @@ KERNELS = {
     "int8 Q K, fp8 P V, P x 256": Kernel(torch.int8, FP8, p_scale=256.0),
     # SageAttention2's sm90 kernel: int8 Q K (per-token scales here, finer than its per-thread ones), smoothed K,
     # fp8 P V with V per channel and P scaled by 448.
-    "SageAttention2's recipe": Kernel(torch.int8, FP8, smooth_k=True, v_per_channel=True, p_scale=448.0, qk_per_token=True),
+    "SageAttention2's recipe": Kernel(
+        torch.int8, FP8, smooth_k=True, v_per_channel=True, p_scale=448.0, qk_per_token=True
+    ),
 }
 
 
@@ -135,12 +137,15 @@ def merged(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     return sum(o * torch.exp(s - lse)[..., None] for o, s in parts).transpose(1, 2)
 
 
-def layouts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Kernel, split: int, block: int) -> dict[str, torch.Tensor]:
+def layouts(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Kernel, split: int, block: int
+) -> dict[str, torch.Tensor]:
     """The window ``k``/``v`` (current chunk from ``split``) read by one ``kernel``, or its history by ``kernel``
     and the current chunk by a BF16 kernel, merged."""
     history = tiled_attention(q, k[:, :split], v[:, :split], kernel, block)
     current = tiled_attention(q, k[:, split:], v[:, split:], KERNELS["bf16"], block)
-    return {"one kernel": merged([tiled_attention(q, k, v, kernel, block)]), "history + bf16 current": merged([history, current])}
+    whole = tiled_attention(q, k, v, kernel, block)
+    return {"one kernel": merged([whole]), "history + bf16 current": merged([history, current])}
 
 
 def ratio(a: float, b: float) -> str:
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
                         e = rel_l2(ref, out)
                         cells[layout].append(f"{e:.4f} ({ratio(e, table)})")
                 for layout, row in cells.items():
-                    print(f"| {name} | {rope} | {kind} | {layout} | {table:.4f} | " + " | ".join(row) + " |", flush=True)
+                    cells_text = " | ".join(row)
+                    print(f"| {name} | {rope} | {kind} | {layout} | {table:.4f} | {cells_text} |", flush=True)
 
 
 if __name__ == "__main__":

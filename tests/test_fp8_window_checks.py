@@ -14,7 +14,8 @@ EXACT = fp8.Kernel(None, None)
 
 def _qkv(tokens: int = 300, queries: int = 17, heads: int = 3, dim: int = 16, sharpness: float = 2.0):
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, n, heads, dim, generator=g) * s for n, s in ((queries, sharpness), (tokens, 1.0), (tokens, 1.0)))
+    sizes = ((queries, sharpness), (tokens, 1.0), (tokens, 1.0))
+    q, k, v = (torch.randn(1, n, heads, dim, generator=g) * scale for n, scale in sizes)
     return q, k + 3.0 * torch.randn(1, 1, heads, dim, generator=g), v  # a common key offset, as smoothing removes
 
 
