@@ -13,12 +13,14 @@ attention error within 1.1x of the BF16-window figure.
 
     python scripts/fp8_window_checks.py            # 7 chunks at Self-Forcing geometry, ~6 minutes on a CPU
     python scripts/fp8_window_checks.py --small    # tiny sizes, seconds (tests)
+    TRITON_INTERPRET=1 python scripts/fp8_window_checks.py --codecs qvg-int2 --sageattention  # + its kernels
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,19 +33,28 @@ from diffusers_qvg.video_kv import VideoKVSpec, video_kv
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 SMALL = VideoKVSpec(height=64, width=96, patch=8, heads=2, head_dim=64)
 SCALE_DIMS = {"head": (1, 3), "channel": (1,), "token": (3,)}  # dims one scale spans: per (batch, head[, ...])
+SAGE_BLOCKS = (128, 64)  # SageAttention's per-block scales: query and key tokens per scale
 
 
-def _scale(x: torch.Tensor, per: str, top: float) -> torch.Tensor:
-    return x.abs().amax(dim=SCALE_DIMS[per], keepdim=True).clamp_min(torch.finfo(torch.float32).tiny) / top
+def _scale(x: torch.Tensor, per: str | int, top: float) -> torch.Tensor:
+    """Scales mapping amax to ``top``: per (batch, head) and ``per`` (see SCALE_DIMS), or block of ``per`` tokens."""
+    if isinstance(per, int):
+        b, n, h, _ = x.shape
+        pad = torch.nn.functional.pad(x.abs(), (0, 0, 0, 0, 0, (-n) % per))
+        amax = pad.unflatten(1, (-1, per)).amax(dim=(2, 4), keepdim=True)  # [B, blocks, 1, H, 1]
+        amax = amax.expand(-1, -1, per, -1, -1).flatten(1, 2)[:, :n]
+    else:
+        amax = x.abs().amax(dim=SCALE_DIMS[per], keepdim=True)
+    return amax.clamp_min(torch.finfo(torch.float32).tiny) / top
 
 
-def to_e4m3(x: torch.Tensor, per: str = "head") -> torch.Tensor:
+def to_e4m3(x: torch.Tensor, per: str | int = "head") -> torch.Tensor:
     """``x`` [B, tokens, heads, dim] rounded to e4m3; one scale per (batch, head[, channel | token]), amax -> 448."""
     scale = _scale(x, per, E4M3_MAX)
     return (x / scale).to(torch.float8_e4m3fn).float() * scale
 
 
-def to_int8(x: torch.Tensor, per: str = "head") -> torch.Tensor:
+def to_int8(x: torch.Tensor, per: str | int = "head") -> torch.Tensor:
     """``x`` rounded to symmetric int8 (amax -> 127, ties to even), scaled as :func:`to_e4m3`."""
     scale = _scale(x, per, 127.0)
     return torch.round(x / scale).clamp(-127, 127) * scale
@@ -58,8 +69,9 @@ class Kernel:
     each query's scores by one constant, which the log-sum-exp gets back for merging); ``v_per_channel`` gives
     V one e4m3 scale per channel, which the kernel applies to the output's columns after the product. Both are
     SageAttention's. ``p_scale`` multiplies P before it is rounded (SageAttention2 scales P to use e4m3's
-    range), so that small probabilities stay normal numbers. ``qk_per_token`` gives each query and key its own
-    scale, which the kernel applies to the scores (an outer product: one multiply per score).
+    range), so that small probabilities stay normal numbers. ``qk_scales`` is what one Q or K scale spans:
+    ``"head"``, ``"token"`` (each query and key its own, applied to the scores as an outer product: one multiply
+    per score) or ``"block"`` (SageAttention's: 128 queries, 64 keys).
     """
 
     qk: torch.dtype | None
@@ -67,7 +79,8 @@ class Kernel:
     smooth_k: bool = False
     v_per_channel: bool = False
     p_scale: float = 1.0
-    qk_per_token: bool = False
+    qk_scales: str = "head"
+    pv_accumulator: torch.dtype | None = None  # what each block's P V product is rounded to (None: float32)
 
 
 FP8 = torch.float8_e4m3fn
@@ -79,17 +92,24 @@ KERNELS = {
     "fp8, smoothed K, V per channel": Kernel(FP8, FP8, smooth_k=True, v_per_channel=True),
     "fp8, P x 256": Kernel(FP8, FP8, p_scale=256.0),
     "bf16 Q K, fp8 P V, P x 256": Kernel(torch.bfloat16, FP8, p_scale=256.0),
-    "fp8, Q K per token, P x 256": Kernel(FP8, FP8, p_scale=256.0, qk_per_token=True),
+    "fp8, Q K per token, P x 256": Kernel(FP8, FP8, p_scale=256.0, qk_scales="token"),
     "int8 Q K, fp8 P V, P x 256": Kernel(torch.int8, FP8, p_scale=256.0),
-    # SageAttention2's sm90 kernel: int8 Q K (per-token scales here, finer than its per-thread ones), smoothed K,
-    # fp8 P V with V per channel and P scaled by 448.
-    "SageAttention2's recipe": Kernel(
-        torch.int8, FP8, smooth_k=True, v_per_channel=True, p_scale=448.0, qk_per_token=True
+    # SageAttention 1 (its Triton kernel): int8 Q K per block, smoothed K, fp16 P V summed per block in fp16.
+    "SageAttention 1's recipe": Kernel(
+        torch.int8, torch.float16, smooth_k=True, qk_scales="block", pv_accumulator=torch.float16
+    ),
+    # SageAttention2's sm90 kernel: int8 Q K (its per-thread scales lie between per-block and per-token ones),
+    # smoothed K, fp8 P V with V per channel and P scaled by 448.
+    "SageAttention2's recipe, Q K per block": Kernel(
+        torch.int8, FP8, smooth_k=True, v_per_channel=True, p_scale=448.0, qk_scales="block"
+    ),
+    "SageAttention2's recipe, Q K per token": Kernel(
+        torch.int8, FP8, smooth_k=True, v_per_channel=True, p_scale=448.0, qk_scales="token"
     ),
 }
 
 
-def rounded(x: torch.Tensor, dtype: torch.dtype | None, per: str = "head") -> torch.Tensor:
+def rounded(x: torch.Tensor, dtype: torch.dtype | None, per: str | int = "head") -> torch.Tensor:
     """``x`` as the kernel's ``dtype`` holds it (None: float32, no rounding), back in float32."""
     if dtype is None:
         return x
@@ -113,7 +133,8 @@ def tiled_attention(
         mean = k.mean(dim=1, keepdim=True)
         k = k - mean
         shift = (q.float() * mean).sum(dim=-1).transpose(1, 2) / math.sqrt(q.shape[-1])
-    q, k = (rounded(t.float(), kernel.qk, "token" if kernel.qk_per_token else "head").transpose(1, 2) for t in (q, k))
+    q_per, k_per = SAGE_BLOCKS if kernel.qk_scales == "block" else (kernel.qk_scales, kernel.qk_scales)
+    q, k = (rounded(t.float(), kernel.qk, per).transpose(1, 2) for t, per in ((q, q_per), (k, k_per)))
     v = rounded(v.float(), kernel.pv, "channel" if kernel.v_per_channel else "head").transpose(1, 2)
     q = q / math.sqrt(q.shape[-1])
     m = torch.full(q.shape[:-1], -math.inf)
@@ -126,7 +147,8 @@ def tiled_attention(
         p = torch.exp(s - m_new[..., None])
         l = l * alpha + p.sum(dim=-1)
         p_mma = p if kernel.pv is None else (p * kernel.p_scale).to(kernel.pv).float() / kernel.p_scale
-        acc = acc * alpha[..., None] + p_mma @ v[:, :, j : j + block]
+        pv = p_mma @ v[:, :, j : j + block]
+        acc = acc * alpha[..., None] + (pv if kernel.pv_accumulator is None else pv.to(kernel.pv_accumulator).float())
         m = m_new
     return acc / l[..., None], m + torch.log(l) + shift  # the shift is added back in float32 for the merge
 
@@ -148,6 +170,21 @@ def layouts(
     return {"one kernel": merged([whole]), "history + bf16 current": merged([history, current])}
 
 
+def sageattention_1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SageAttention 1.0.6's own kernels on bf16 Q, K, V [B, tokens, heads, dim], as its ``sageattn`` runs them
+    (K smoothed in the input dtype, V in fp16, int8 Q K per block); called past ``sageattn``'s CUDA-only check,
+    so that on a CPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
+    Float32 output."""
+    from sageattention.attn_qk_int8_per_block import forward
+    from sageattention.quant_per_block import per_block_int8
+
+    q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
+    k = k - k.mean(dim=1, keepdim=True)
+    q8, q_scale, k8, k_scale = per_block_int8(q, k, sm_scale=None, tensor_layout="NHD")
+    out = forward(q8, k8, v.to(torch.float16), q_scale, k_scale, tensor_layout="NHD", output_dtype=torch.bfloat16)
+    return out.float()
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 1e-6 else "-"  # an exact window has no error to compare with
 
@@ -160,7 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--queries", type=int, default=256, help="queries sampled from the last chunk")
     parser.add_argument("--block", type=int, default=128, help="key tokens per tile of the emulated kernels")
     parser.add_argument("--codecs", nargs="+", default=["bf16", "qvg-int2"], help="cache storages to read")
+    parser.add_argument("--sageattention", action="store_true",
+                        help="also SageAttention 1.0.6's own Triton kernels, one kernel over the window (on a CPU "
+                        "with TRITON_INTERPRET=1, through Triton's interpreter: ~1.5 min per row at full size)")
     args = parser.parse_args(argv)
+    if args.sageattention and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--sageattention runs its Triton kernels on CUDA, or on a CPU through Triton's interpreter: "
+                     "run the script with TRITON_INTERPRET=1")
     torch.set_num_threads(1)
     spec, chunks, queries = (SMALL, 2, 64) if args.small else (VideoKVSpec(), args.chunks, args.queries)
     data = video_kv(spec, chunks=chunks)
@@ -169,8 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{spec.tokens_per_chunk} tokens/chunk x {chunks} chunks, {spec.heads} heads x {spec.head_dim}, "
           f"{queries} queries of the last chunk, key blocks of {args.block}; torch {torch.__version__}\n"
           "attention error (and its ratio to the table's: float32 attention over the decoded window)\n")
-    print("| storage | keys stored | queries | layout | table | " + " | ".join(KERNELS) + " |")
-    print("|---|---|---|---|---|" + "---|" * len(KERNELS))
+    columns = list(KERNELS) + (["sageattention 1.0.6 itself"] if args.sageattention else [])
+    print("| storage | keys stored | queries | layout | table | " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(columns))
     for name in args.codecs:
         w = decode_window(dq.resolve_codec(name), data)
         value = cache_view(data.value, w.value, split)
@@ -185,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
                     for layout, out in layouts(q, key, value, kernel, split, args.block).items():
                         e = rel_l2(ref, out)
                         cells[layout].append(f"{e:.4f} ({ratio(e, table)})")
+                if args.sageattention:  # it returns no log-sum-exp: no merged layout
+                    e = rel_l2(ref, sageattention_1(q, key, value))
+                    cells["one kernel"].append(f"{e:.4f} ({ratio(e, table)})")
+                    cells["history + bf16 current"].append("-")
                 for layout, row in cells.items():
                     cells_text = " | ".join(row)
                     print(f"| {name} | {rope} | {kind} | {layout} | {table:.4f} | {cells_text} |", flush=True)

@@ -52,6 +52,16 @@ def test_e4m3_scales_per_head_channel_or_token():
     assert 0 < err.max() <= 16 / 448  # amax -> 448 in [256, 512), whose ulp is 32: half of it at most
 
 
+def test_block_scales_span_their_tokens_and_a_short_last_block():
+    x = torch.randn(1, 150, 2, 8, generator=torch.Generator().manual_seed(3))
+    rounded = fp8.to_int8(x, 64)
+    for a, b in ((0, 64), (64, 128), (128, 150)):
+        step = x[:, a:b].abs().amax(dim=(1, 3), keepdim=True) / 127
+        levels = rounded[:, a:b] / step
+        torch.testing.assert_close(levels, levels.round(), rtol=0, atol=1e-4)
+        assert levels.abs().amax(dim=(1, 3)).flatten().tolist() == pytest.approx([127, 127], abs=1e-4)
+
+
 def test_int8_maps_amax_to_127_and_rounds_to_the_nearest_step():
     y = torch.randn(1, 64, 2, 32, generator=torch.Generator().manual_seed(2))
     step = y.abs().amax(dim=3, keepdim=True) / 127
@@ -71,9 +81,27 @@ def test_fp8_rounding_is_what_adds_error():
     assert errors["fp8 Q K, bf16 P V"] < errors["fp8 (FlashAttention-3)"]
 
 
+def test_the_sageattention_1_emulation_matches_its_own_kernels():
+    """The emulation of SageAttention 1's recipe against sageattention 1.0.6's Triton kernels (interpreted here)."""
+    # Whole blocks: its kernel counts the zeros it loads past the last key into the softmax's sums.
+    q, k, v = _qkv(tokens=768, queries=128, heads=2, dim=64, sharpness=1.0)
+    q, k, v = (t.to(torch.bfloat16).float() for t in (q, k, v))  # what the kernels get
+    ref = attention(q, k, v)
+    real = fp8.sageattention_1(q, k, v)
+    emulated = fp8.merged([fp8.tiled_attention(q, k, v, fp8.KERNELS["SageAttention 1's recipe"], 64)])
+    error = {name: ((out - ref).norm() / ref.norm()).item() for name, out in (("real", real), ("emulated", emulated))}
+    assert 1e-3 < error["real"] < 0.05 and error["emulated"] == pytest.approx(error["real"], rel=0.1)
+
+
 def test_small_run_prints_every_kernel(capsys):
     fp8.main(["--small", "--codecs", "qvg-int2"])
     out = capsys.readouterr().out
     assert all(name in out for name in fp8.KERNELS)
     rows = [line for line in out.splitlines() if line.startswith("| qvg-int2")]
     assert len(rows) == 8  # 2 key placements x 2 query kinds x 2 layouts
+
+
+def test_small_run_with_sageattention_s_own_kernels(capsys):
+    fp8.main(["--small", "--codecs", "qvg-int2", "--sageattention"])  # the tests run Triton interpreted
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| qvg-int2")]
+    assert len(rows) == 8 and all(line.endswith(" | - |") for line in rows if "history" in line)
