@@ -27,7 +27,7 @@ import torch
 
 import diffusers_qvg as dq
 from diffusers_qvg.codec_quality import attention_probe, cache_view, decode_window, exact_from
-from diffusers_qvg.metrics import rel_l2
+from diffusers_qvg.metrics import attention, rel_l2
 from diffusers_qvg.video_kv import VideoKVSpec, video_kv
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
             key = cache_view(data.key, decoded, split)
             for kind, q in probe.queries.items():
                 ref = probe.references[kind]
-                table = rel_l2(ref, merged([tiled_attention(q, key, value, Kernel(None, None), key.shape[1])]))
+                table = rel_l2(ref, attention(q, key, value))  # the codec table's own figure
                 cells: dict[str, list[str]] = {"one kernel": [], "history + bf16 current": []}
                 for kernel in KERNELS.values():
                     for layout, out in layouts(q, key, value, kernel, split, args.block).items():
