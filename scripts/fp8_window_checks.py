@@ -28,6 +28,7 @@ import torch
 import diffusers_qvg as dq
 from diffusers_qvg.codec_quality import attention_probe, cache_view, decode_window, exact_from
 from diffusers_qvg.metrics import attention, rel_l2
+from diffusers_qvg.sageattention_1 import sageattention_1
 from diffusers_qvg.video_kv import VideoKVSpec, video_kv
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -170,21 +171,6 @@ def layouts(
     return {"one kernel": merged([whole]), "history + bf16 current": merged([history, current])}
 
 
-def sageattention_1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SageAttention 1.0.6's own kernels on bf16 Q, K, V [B, tokens, heads, dim], as its ``sageattn`` runs them
-    (K smoothed in the input dtype, V in fp16, int8 Q K per block); called past ``sageattn``'s CUDA-only check,
-    so that on a CPU they run in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported).
-    Float32 output."""
-    from sageattention.attn_qk_int8_per_block import forward
-    from sageattention.quant_per_block import per_block_int8
-
-    q, k, v = (t.to(torch.bfloat16).contiguous() for t in (q, k, v))
-    k = k - k.mean(dim=1, keepdim=True)
-    q8, q_scale, k8, k_scale = per_block_int8(q, k, sm_scale=None, tensor_layout="NHD")
-    out = forward(q8, k8, v.to(torch.float16), q_scale, k_scale, tensor_layout="NHD", output_dtype=torch.bfloat16)
-    return out.float()
-
-
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 1e-6 else "-"  # an exact window has no error to compare with
 
@@ -230,7 +216,7 @@ def main(argv: list[str] | None = None) -> None:
                         e = rel_l2(ref, out)
                         cells[layout].append(f"{e:.4f} ({ratio(e, table)})")
                 if args.sageattention:  # it returns no log-sum-exp: no merged layout
-                    e = rel_l2(ref, sageattention_1(q, key, value))
+                    e = rel_l2(ref, sageattention_1(q, key, value).float())
                     cells["one kernel"].append(f"{e:.4f} ({ratio(e, table)})")
                     cells["history + bf16 current"].append("-")
                 for layout, row in cells.items():
