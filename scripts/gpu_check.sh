@@ -47,8 +47,8 @@ fi
 } 2>&1 | tee "$OUT/versions.txt"
 
 step bench_kernels 110 python3 scripts/bench_kernels.py $small --json "$OUT/bench_kernels.json"
-step bench_attention 60 python3 scripts/bench_attention.py $small --json "$OUT/bench_attention.json"
+step bench_attention 80 python3 scripts/bench_attention.py $small --attention dispatch sageattention-1.0.6 --json "$OUT/bench_attention.json"
 step bench_e2e 150 python3 scripts/bench_e2e.py $small --json "$OUT/bench_e2e.json"
 # -P: the checkout's own diffusers_qvg/ (which lacks pipelines/) must not shadow the laid-out package.
-step gpu_tests 90 python3 -P -m pytest -q -m gpu tests -p no:cacheprovider
+step gpu_tests 70 python3 -P -m pytest -q -m gpu tests -p no:cacheprovider
 cat "$OUT/summary.txt"

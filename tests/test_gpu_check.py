@@ -42,4 +42,4 @@ def test_no_wheel_whose_requirement_is_missing_on_the_device():
     fetch = (SCRIPTS / "fetch_gpu_wheels.sh").read_text()
     names = fetch.split("-d .whl")[1].split("du -sh")[0].replace("\\", " ").split()
     assert names == ["diffusers==0.42.1", "flash-kmeans==0.3.1", "scikit-video==1.1.11", "quant-videogen==0.1.0",
-                     "termcolor", "loguru"]
+                     "termcolor", "loguru", "sageattention==1.0.6"]

@@ -38,3 +38,11 @@ def test_a_head_dim_its_kernels_do_not_run_is_refused_by_name(dims):
     q, k, v = (torch.zeros(1, 4, 1, d, dtype=torch.bfloat16) for d in dims)
     with pytest.raises(ValueError, match="head_dim 64 or 128"):
         sageattention_1(q, k, v)
+
+
+def test_a_cpu_tensor_without_the_interpreter_is_refused_by_name(monkeypatch):
+    """Triton's own error off CUDA ("0 active drivers") names neither the cause nor the fix."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    q, k, v = _qkv(tokens=128, queries=128, dim=64)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        sageattention_1(q, k, v)
