@@ -10,9 +10,9 @@ they run in Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is i
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from .codecs.kernel_backend import check_runnable
 
 HEAD_DIMS = (64, 128)  # its head_dim-96 kernels are separate ones, not used by Wan-style models
 
@@ -25,10 +25,7 @@ def sageattention_1(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor)
     if query.shape[-1] not in HEAD_DIMS or not query.shape[-1] == key.shape[-1] == value.shape[-1]:
         raise ValueError(f"sageattention_1 runs head_dim {' or '.join(map(str, HEAD_DIMS))} for query, key and "
                          f"value alike; got {query.shape[-1]}, {key.shape[-1]}, {value.shape[-1]}")
-    if query.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(f"sageattention_1 runs SageAttention's Triton kernels on CUDA, or off CUDA in Triton's "
-                           f"interpreter: got {query.device.type} tensors without TRITON_INTERPRET=1 (set it before "
-                           f"Triton is imported)")
+    check_runnable(query, key, value, kernels="SageAttention's Triton kernels", cpu_fallback="")
     try:
         from sageattention.attn_qk_int8_per_block import forward
         from sageattention.quant_per_block import per_block_int8

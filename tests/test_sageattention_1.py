@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from diffusers_qvg.codecs import kernel_backend
 from diffusers_qvg.metrics import attention
 from diffusers_qvg.sageattention_1 import sageattention_1
 
@@ -42,7 +43,13 @@ def test_a_head_dim_its_kernels_do_not_run_is_refused_by_name(dims):
 
 def test_a_cpu_tensor_without_the_interpreter_is_refused_by_name(monkeypatch):
     """Triton's own error off CUDA ("0 active drivers") names neither the cause nor the fix."""
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(kernel_backend, "INTERPRETING", False)
     q, k, v = _qkv(tokens=128, queries=128, dim=64)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+    with pytest.raises(ValueError, match="SageAttention's Triton kernels need CUDA tensors .*TRITON_INTERPRET=1"):
         sageattention_1(q, k, v)
+
+
+def test_operands_on_two_devices_are_refused_by_name():
+    q, k, v = _qkv(tokens=128, queries=128, dim=64)
+    with pytest.raises(ValueError, match="one device.*'cpu', 'meta'"):
+        sageattention_1(q, k.to("meta"), v)

@@ -68,14 +68,19 @@ def input_unsupported(x: torch.Tensor) -> str | None:
     return None if x.dtype in TRITON_DTYPES else f"{x.dtype} input (bfloat16, float16 or float32 only)"
 
 
-def check_runnable(*tensors: torch.Tensor) -> None:
-    """Kernels run on CUDA tensors, or on CPU under Triton's interpreter; one device for all operands."""
+def check_runnable(
+    *tensors: torch.Tensor, kernels: str = "the Triton kernels", cpu_fallback: str = "on CPU use the torch backend, or "
+) -> None:
+    """Kernels run on CUDA tensors, or on CPU under Triton's interpreter; one device for all operands.
+
+    ``kernels`` names whose kernels refuse; ``cpu_fallback`` names a way round other than the interpreter.
+    """
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise ValueError(f"all operands must be on one device, got {sorted(map(str, devices))}; move them first")
     device = devices.pop()
     if device.type != "cuda" and not INTERPRETING:
         raise ValueError(
-            f"the Triton kernels need CUDA tensors (got {device}); on CPU use the torch backend, or set "
-            "TRITON_INTERPRET=1 before importing diffusers_qvg to run them in Triton's interpreter"
+            f"{kernels} need CUDA tensors (got {device}); {cpu_fallback}set TRITON_INTERPRET=1 before importing "
+            "diffusers_qvg to run them in Triton's interpreter"
         )
