@@ -15,7 +15,7 @@ from .codecs import (
     resolve_codec,
     segment_table,
 )
-from .installer import disable_qvg, enable_qvg
+from .installer import attach_cache, disable_qvg, enable_qvg
 from .processors import QVGSkyReelsV2AttnProcessor, QVGWanAttnProcessor, processors_for
 from .ulysses import VideoGroup, enable_ulysses
 
@@ -37,6 +37,7 @@ __all__ = [
     "QVGWanAttnProcessor",
     "SegmentTable",
     "VideoGroup",
+    "attach_cache",
     "dequantize",
     "disable_qvg",
     "enable_qvg",

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, UMT5EncoderModel
 
 from diffusers_qvg import CacheConfig, QVGCache, disable_qvg, enable_qvg, resolve_codec
 
-from .prompt_switch import TextSettings, schedule_switches
+from .prompt_switch import TextSettings, pad_text, schedule_switches
 from .random_models import self_forcing_scheduler
 from .stream_state import QVGStreamState
 
@@ -357,18 +357,6 @@ class QVGCausalWanPipeline(DiffusionPipeline):
             video = concat_chunks(list(state), output_type)
         self.maybe_free_model_hooks()
         return WanPipelineOutput(frames=video) if return_dict else (video,)
-
-
-def pad_text(embeds: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """Zeros after the real tokens up to ``length`` ([B, tokens, dim] -> [B, length, dim]).
-
-    Upstream Self-Forcing's ``CausalWanModel`` pads every prompt this way before its text embedding, and
-    ``WanPipeline`` pads what it encodes: the zero tokens still take attention mass in the cross-attention, so
-    embeddings of different lengths give different videos unless padded the same way.
-    """
-    if embeds is None:
-        return None
-    return torch.nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))
 
 
 def concat_chunks(chunks: list[Any], output_type: str) -> Any:

@@ -37,6 +37,18 @@ class TextSettings:
     max_sequence_length: int
 
 
+def pad_text(embeds: torch.Tensor | None, length: int) -> torch.Tensor | None:
+    """Zeros after the real tokens up to ``length`` ([B, tokens, dim] -> [B, length, dim]).
+
+    Upstream Self-Forcing's ``CausalWanModel`` pads every prompt this way before its text embedding, and
+    ``WanPipeline`` pads what it encodes: the zero tokens still take attention mass in the cross-attention, so
+    embeddings of different lengths give different videos unless padded the same way.
+    """
+    if embeds is None:
+        return None
+    return torch.nn.functional.pad(embeds, (0, 0, 0, length - embeds.shape[1]))
+
+
 def check_switch_frame(frame: Any, frames_per_chunk: int, next_frame: int, end_frame: int | None) -> None:
     """A switch frame must be a chunk boundary the stream has not passed and will reach."""
     if not isinstance(frame, int) or isinstance(frame, bool):
@@ -72,8 +84,6 @@ def encode_switch(
 ) -> PromptSwitch:
     """Check and encode a switch at ``frame``; ``like`` is the stream's prompt embeddings [batch, tokens,
     text_dim], whose shape the new text must give (batch and text_dim as given, tokens padded as encoded)."""
-    from .pipeline_qvg_causal_wan import pad_text  # the pipeline module imports this one
-
     if (prompt is None) == (prompt_embeds is None):
         raise ValueError("a prompt switch takes exactly one of `prompt` and `prompt_embeds`")
     if negative_prompt is not None and negative_prompt_embeds is not None:

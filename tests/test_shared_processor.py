@@ -1,8 +1,8 @@
 """The diffusers habit: one processor for every layer, ``transformer.set_attn_processor(QVGWanAttnProcessor(cache))``.
 
 A cache made without a layer count finds its layers as their modules call it (in order, during the first
-chunk); ``cache.attach(transformer)`` adds the RoPE frame offset that ``enable_qvg`` installs. The result is
-bit-identical to ``enable_qvg``'s; what is missing is named with its one-line fix.
+chunk); ``diffusers_qvg.attach_cache(transformer, cache)`` adds the RoPE frame offset that ``enable_qvg``
+installs. The result is bit-identical to ``enable_qvg``'s; what is missing is named with its one-line fix.
 """
 
 import pytest
@@ -46,7 +46,7 @@ def shared_setup(model, storage, as_dict=False, processor_cls=dq.QVGWanAttnProce
         model.set_attn_processor(processors)
     else:
         model.set_attn_processor(processor)
-    cache.attach(model)
+    dq.attach_cache(model, cache)
     return cache
 
 
@@ -78,14 +78,14 @@ def test_without_the_rope_offset_the_first_forward_names_the_fix_and_changes_not
     cache = dq.QVGCache(dq.CacheConfig(storage="bf16", **OPTIONS))
     model.set_attn_processor(dq.QVGWanAttnProcessor(cache))
     x = torch.randn(1, 16, 2, HEIGHT, WIDTH, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"RoPE has no frame offset.*`cache\.attach\(transformer\)`"):
+    with pytest.raises(RuntimeError, match=r"RoPE has no frame offset.*`diffusers_qvg\.attach_cache\(transformer, cache\)`"):
         with cache.chunk(start_frame=0):
             model(x, torch.tensor([500.0], dtype=torch.float64), TEXT)
     assert cache.layers == [] and cache.layout.chunks == [] and not cache.active
-    with pytest.raises(ValueError, match=r"call `cache\.attach\(transformer\)` once"):
+    with pytest.raises(ValueError, match=r"call `diffusers_qvg\.attach_cache\(transformer, cache\)` once"):
         with cache.chunk(start_frame=0, hidden_states=x):
             pass
-    cache.attach(model)  # the fix: the stream now runs as enable_qvg's
+    dq.attach_cache(model, cache)  # the fix: the stream now runs as enable_qvg's
     reference = tiny_wan()
     assert_identical(stream(model, cache), stream(reference, dq.enable_qvg(reference, "bf16", **OPTIONS)))
 
@@ -105,10 +105,10 @@ def test_a_module_the_cache_did_not_find_in_its_first_chunk_is_refused():
 def test_attach_checks_the_transformer_and_disable_restores_stock_processors():
     model = tiny_wan()
     with pytest.raises(ValueError, match="has 3 layers but WanTransformer3DModel has 2"):
-        dq.QVGCache(num_layers=3).attach(model)
+        dq.attach_cache(model, dq.QVGCache(num_layers=3))
     cache = shared_setup(model, "bf16")
     with pytest.raises(ValueError, match="already enabled"):
-        cache.attach(model)
+        dq.attach_cache(model, cache)
     dq.disable_qvg(model)
     assert all(type(p) is WanAttnProcessor for p in model.attn_processors.values())
     assert getattr(model.rope, "_diffusers_hook", None) is None or model.rope._diffusers_hook.get_hook("qvg_rope_offset") is None

@@ -200,16 +200,16 @@ def stock_forward(model) -> torch.Tensor:
 
 
 def check_shared_processor(order: str) -> None:
-    """One processor for every layer (``set_attn_processor`` + ``cache.attach``), before or after Ulysses: the
+    """One processor for every layer (``set_attn_processor`` + ``attach_cache``), before or after Ulysses: the
     cached stream, a forward outside the cache (the processor set after ``enable_parallelism`` gets its config
-    from ``attach``) and ``disable_qvg`` all match one process."""
+    from ``attach_cache``) and ``disable_qvg`` all match one process."""
     setup = Setup(commit="final-pass")
     model = wan(setup)
     if order == "cp-first":
         ulysses(model)
     cache = dq.QVGCache(dq.CacheConfig(storage=setup.storage, **setup.cache_options()))
     model.set_attn_processor(dq.QVGWanAttnProcessor(cache))
-    cache.attach(model)
+    dq.attach_cache(model, cache)
     if order == "qvg-first":
         ulysses(model)
     assert_equal_outputs(stream(model, cache, setup), reference(setup)[0])

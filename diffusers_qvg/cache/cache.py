@@ -54,7 +54,7 @@ import torch
 from ..codecs import CodecConfig, Packed
 from ..codecs.base import HeadSlice
 from ..codecs.status import WriteStatus
-from ..rope_offset import patch_grid, wan_rope_for_frames
+from ..rope_frames import patch_grid, wan_rope_for_frames
 from ..rotary import compute_dtype_for
 from .config import CacheConfig
 from . import ops
@@ -177,7 +177,7 @@ class QVGCache:
         if hidden_states is not None and self.rope is None:
             raise ValueError(
                 "cache.chunk(hidden_states=...) plans the chunk with the transformer's RoPE module, which this "
-                "cache was not given; call `cache.attach(transformer)` once (or create the cache with "
+                "cache was not given; call `diffusers_qvg.attach_cache(transformer, cache)` once (or create the cache with "
                 "diffusers_qvg.enable_qvg(transformer, ...))"
             )
         if self.guard is not None:
@@ -511,19 +511,12 @@ class QVGCache:
                 self.layers.append(LayerCache(self, index))
         return self.layers[index]
 
-    def attach(self, transformer: torch.nn.Module) -> None:
-        """Give ``transformer``'s RoPE the cache's frame offset (what :func:`~diffusers_qvg.enable_qvg` adds
-        to the processors): for caches whose processors were set with ``transformer.set_attn_processor``."""
-        from ..installer import attach_cache
-
-        attach_cache(transformer, self)
-
     def require_plan(self) -> ReadPlan:
         if self.plan is None:
             if self.active:
                 raise RuntimeError(
                     "the transformer's RoPE has no frame offset for this cache, so the chunk's positions are "
-                    "unknown; after transformer.set_attn_processor(...) call `cache.attach(transformer)` once "
+                    "unknown; after transformer.set_attn_processor(...) call `diffusers_qvg.attach_cache(transformer, cache)` once "
                     "(diffusers_qvg.enable_qvg does both)"
                 )
             raise RuntimeError(
