@@ -1,7 +1,7 @@
 """Quant VideoGen: config, packed format, reference encoder and decoder."""
 
 from ..kernel_backend import backend
-from .config import QVGConfig
+from .codec import QVGConfig
 from .format import QVGPacked
 
 __all__ = ["QVGConfig", "QVGPacked", "backend"]

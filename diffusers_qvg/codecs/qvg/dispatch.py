@@ -7,8 +7,8 @@ import torch
 from ...rotary import Rotary
 from ..base import SegmentTable
 from ..kernel_backend import decode_unsupported, input_unsupported, pair_decode_unsupported, use_triton
-from .config import QVGConfig
 from .format import QVGPacked
+from .settings import QVGSettings
 
 
 def dequantize_into(storage: QVGPacked, segments: SegmentTable, out: torch.Tensor, rotary: Rotary | None = None) -> None:
@@ -39,7 +39,7 @@ def dequantize_pair_into(
         run(value_storage, segments, value_out)
 
 
-def use_triton_encoder(config: QVGConfig, x: torch.Tensor) -> bool:
+def use_triton_encoder(config: QVGSettings, x: torch.Tensor) -> bool:
     """The Triton encoder (deterministic, sync-free) on CUDA, the reference elsewhere.
 
     The Triton kernels need float32 math (no float64 input) and a power-of-two group size.

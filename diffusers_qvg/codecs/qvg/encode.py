@@ -6,24 +6,25 @@ the Triton encoder (:mod:`.triton.encoder`) packs a batch of writes in one launc
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import torch
 
 from ...rotary import compute_dtype_for
 from ..base import HeadSlice, Packed
-from ..status import WriteStatus
 from ..groups import pow2_at_least
-from .config import QVGConfig
+from ..status import WriteStatus
 from .decode import decode_centroids
 from .format import QVGPacked, pack_codes
 from .kmeans import assign, gather_rows, kmeans_init, lloyd
 from .residual import quantize_residual
+from .settings import QVGSettings
+from .write import Write
 
 E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
-def round_centroids(centroids: torch.Tensor, config: QVGConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+def round_centroids(centroids: torch.Tensor, config: QVGSettings) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Centroids [P, K, D] in the storage dtype, and their float32 power-of-two scales for e4m3.
 
     An e4m3 scale is ``2^ceil(log2(amax / 448))`` per centroid (or per head), so no value saturates.
@@ -38,7 +39,7 @@ def round_centroids(centroids: torch.Tensor, config: QVGConfig) -> tuple[torch.T
 
 
 def check_warm_start(
-    config: QVGConfig, storage: QVGPacked, warm_start: Packed, warm_slot: int
+    config: QVGSettings, storage: QVGPacked, warm_start: Packed, warm_slot: int
 ) -> tuple[torch.Tensor, str]:
     """Raise before anything is written if ``warm_start``/``warm_slot`` cannot seed this segment.
 
@@ -63,21 +64,8 @@ def check_warm_start(
     return written, f"warm_slot {warm_slot} of warm_start was never written; warm-start from a packed segment"
 
 
-class Write(NamedTuple):
-    """One segment to pack: ``x`` [B, N, H, D] into ``storage`` tokens ``[token_start, token_start + N)`` and
-    ``slot``. ``seq`` is its place among the write status's checks (a device scalar; None: unchecked or
-    checked by the Triton encoder itself); ``warm`` an earlier (storage, slot) whose centroids seed this one."""
-
-    storage: QVGPacked
-    x: torch.Tensor
-    token_start: int
-    slot: int
-    seq: torch.Tensor | None = None
-    warm: tuple[Packed, int] | None = None
-
-
 def quantize_writes(
-    config: QVGConfig,
+    config: QVGSettings,
     writes: Sequence[Write],
     status: WriteStatus | None = None,
     checks: Sequence[tuple[str, Sequence[str]]] | None = None,
@@ -105,7 +93,7 @@ def quantize_writes(
             reference_write(config, write, heads)
 
 
-def reference_write(config: QVGConfig, write: Write, heads: HeadSlice | None = None) -> None:
+def reference_write(config: QVGSettings, write: Write, heads: HeadSlice | None = None) -> None:
     """Pack one write with the PyTorch reference. Everything is computed first and written last."""
     storage, x, token_start, slot, _, warm = write
     B, N, H, D = x.shape

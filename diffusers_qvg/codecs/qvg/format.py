@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import Packed
-from .config import QVGConfig
+from .settings import QVGSettings
 
 
 @dataclass
@@ -56,7 +56,7 @@ class QVGPacked(Packed):
 
 
 def allocate_qvg(
-    config: QVGConfig,
+    config: QVGSettings,
     batch: int,
     tokens: int,
     heads: int,
@@ -120,15 +120,15 @@ def unpack_digits(codes: torch.Tensor, base: int, per_byte: int, n: int) -> torc
     return digits.flatten(-2)[..., :n]
 
 
-def _digits(config: QVGConfig) -> tuple[int, int]:
+def _digits(config: QVGSettings) -> tuple[int, int]:
     return (3, 5) if config.trits else (2**config.bits, 8 // config.bits)
 
 
-def pack_codes(u: torch.Tensor, config: QVGConfig) -> torch.Tensor:
+def pack_codes(u: torch.Tensor, config: QVGSettings) -> torch.Tensor:
     """Pack unsigned codes ``u`` [..., G, group_size] (ints in [0, 2^bits)) to uint8 [..., G * Cg]."""
     return pack_digits(u, *_digits(config)).flatten(-2)
 
 
-def unpack_codes(codes: torch.Tensor, config: QVGConfig) -> torch.Tensor:
+def unpack_codes(codes: torch.Tensor, config: QVGSettings) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: uint8 [..., G * Cg] -> int32 codes [..., G, group_size]."""
     return unpack_digits(codes.unflatten(-1, (-1, config.group_code_bytes)), *_digits(config), config.group_size)

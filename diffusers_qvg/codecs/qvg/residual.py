@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..groups import GroupCodes, quantize_groups
-from .config import QVGConfig
+from .settings import QVGSettings
 
 
-def quantize_residual(r: torch.Tensor, config: QVGConfig) -> GroupCodes:
+def quantize_residual(r: torch.Tensor, config: QVGSettings) -> GroupCodes:
     """Quantize the residual ``r`` [B, N, H, D] (float32 or float64) in groups of ``config.group_size`` channels.
 
     Returns codes ``u`` [B, N, H, G, group_size], ``scales``/``zeros`` [B, N, H, G] in the scale dtype and

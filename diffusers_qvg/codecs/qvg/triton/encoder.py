@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ...groups import scale_candidates
-from ..config import QVGConfig
 from ..decode import decode_centroids
 from ..format import QVGPacked
 from ..kmeans import gather_rows, kmeans_init
+from ..settings import QVGSettings
+from ..write import Write
 from . import check_runnable
 from .assign import launch_assign
 from .centroid_round import launch_round
@@ -36,7 +37,6 @@ from .quantize import launch_codes
 if TYPE_CHECKING:
     from ...base import HeadSlice
     from ...status import WriteStatus
-    from ..encode import Write
 
 
 @functools.lru_cache(maxsize=16)
@@ -46,7 +46,7 @@ def scale_fractions(search: str, device: torch.device) -> torch.Tensor:
 
 
 def encode(
-    config: QVGConfig,
+    config: QVGSettings,
     writes: Sequence[Write],
     status: "WriteStatus | None" = None,
     checks: "Sequence[tuple[str, Sequence[str]]] | None" = None,
@@ -88,7 +88,7 @@ def encode(
     launch_codes(problems, writes[0].storage, alphas, allowed, held=problems.holds_table)
 
 
-def launch_count(config: QVGConfig) -> int:
+def launch_count(config: QVGSettings) -> int:
     """The launches of one encoder call with the strided init (see the module docstring)."""
     if config.stages == 0:
         return 2
@@ -98,8 +98,6 @@ def launch_count(config: QVGConfig) -> int:
 def quantize_residual_into(storage: QVGPacked, x: torch.Tensor, alphas: torch.Tensor, *, token_start: int, slot: int) -> None:
     """Rewrite a segment's residual fields from the ids and centroids it already holds (the kernel twin of the
     reference's residual quantizer, for tests and benchmarks): the scale-need pass, then the codes kernel."""
-    from ..encode import Write  # the driver's record of a write
-
     cfg = storage.config
     problems = build_problems(cfg, [Write(storage, x, token_start, slot)])
     B, N, H, _ = x.shape
@@ -114,7 +112,7 @@ def quantize_residual_into(storage: QVGPacked, x: torch.Tensor, alphas: torch.Te
     launch_codes(problems, storage, alphas)
 
 
-def build_problems(config: QVGConfig, writes: Sequence[Write]) -> Problems:
+def build_problems(config: QVGSettings, writes: Sequence[Write]) -> Problems:
     """The problem set of ``writes``: their item table (on the device, no sync) and fresh scratch."""
     first = writes[0]
     B, N, H, D = first.x.shape
@@ -187,7 +185,7 @@ def item_table(writes: Sequence[Write], xs: Sequence[torch.Tensor]) -> torch.Ten
 
 
 def fill_initial_centroids(
-    config: QVGConfig, writes: Sequence[Write], problems: Problems, stage: int, heads: "HeadSlice | None" = None
+    config: QVGSettings, writes: Sequence[Write], problems: Problems, stage: int, heads: "HeadSlice | None" = None
 ) -> None:
     """Working centroids for stage ``stage`` from each write's warm start, or its seeded random / k-means++
     init on its points (PyTorch; the default strided init needs none of this)."""
