@@ -177,8 +177,8 @@ class QVGCache:
         if hidden_states is not None and self.rope is None:
             raise ValueError(
                 "cache.chunk(hidden_states=...) plans the chunk with the transformer's RoPE module, which this "
-                "cache was not given; call `diffusers_qvg.attach_cache(transformer, cache)` once (or create the cache with "
-                "diffusers_qvg.enable_qvg(transformer, ...))"
+                "cache was not given; call `diffusers_qvg.attach_cache(transformer, cache)` once (or create the "
+                "cache with diffusers_qvg.enable_qvg(transformer, ...))"
             )
         if self.guard is not None:
             self.guard()
@@ -516,8 +516,8 @@ class QVGCache:
             if self.active:
                 raise RuntimeError(
                     "the transformer's RoPE has no frame offset for this cache, so the chunk's positions are "
-                    "unknown; after transformer.set_attn_processor(...) call `diffusers_qvg.attach_cache(transformer, cache)` once "
-                    "(diffusers_qvg.enable_qvg does both)"
+                    "unknown; after transformer.set_attn_processor(...) call "
+                    "`diffusers_qvg.attach_cache(transformer, cache)` once (diffusers_qvg.enable_qvg does both)"
                 )
             raise RuntimeError(
                 "no cached forward is in progress: run the transformer inside `with cache.chunk(start_frame=...)` "
